@@ -1,0 +1,34 @@
+# Set-up and the two commands the README promises. Everything a fresh machine
+# needs is installed here; nothing installed by hand is relied on.
+#
+#   make run    # the main job on the embedded default
+#   make test   # lint + the whole test suite (what CI runs)
+
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.flowc-installed
+# The CPU build of torch: these machines serve it from local disk. Elsewhere,
+# override, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install run test lint
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	@for f in examples/grpo.py examples/ppo.py examples/rloo.py examples/remax.py; do \
+		echo "== flowc graph $$f"; $(VENV)/bin/flowc graph $$f || exit 1; echo; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q

@@ -1,0 +1,3 @@
+"""The flowc version (single source: pyproject reads it from here)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,11 @@
+"""``fc.losses``: the losses ``update(loss=…)`` accepts.
+
+Constructors return frozen specs that the IR stores; their math and the
+aggregation modes (``token-mean``, ``seq-mean-token-mean`` a.k.a.
+``sequence-mean``, ``seq-mean-token-sum``, ``seq-mean-token-sum-norm``) are
+defined in :mod:`flowc.ir.losses`.
+"""
+
+from flowc.ir.losses import AGG_MODES, PolicyGradient, PPOClip, ValueClip, policy_gradient, ppo_clip, value_clip
+
+__all__ = ["AGG_MODES", "PPOClip", "PolicyGradient", "ValueClip", "policy_gradient", "ppo_clip", "value_clip"]

@@ -1,0 +1,115 @@
+"""Hardware profiles: the devices flowc plans for, as data files.
+
+Each profile (``ir/hardware/<name>.yaml``) holds the published peak figures
+of one device type, the links of a typical node built from it, and the
+efficiency factors the cost model multiplies them by. Every number cites its
+source in the file (``sources``); efficiency factors say how they were
+calibrated. Names are matched case-insensitively, with aliases (``H100`` is
+``H100-80GB``).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flowc.errors import SpecError
+
+
+class Efficiency(BaseModel):
+    """Achieved fractions of peak (all in (0, 1]).
+
+    Attributes:
+        matmul: large dense GEMMs (prefill, forward passes).
+        train: dense training steps (forward + backward + optimizer), the MFU
+            a well-tuned single-node run reaches before communication costs.
+        decode_bw: HBM bandwidth reached by the memory-bound decode loop.
+        intra_node: collective bus bandwidth over NVLink (or shared memory).
+        inter_node: collective bus bandwidth over the network.
+        moe_train: extra factor on MoE training (routing, all-to-all,
+            small expert GEMMs) relative to ``train``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    matmul: float = Field(gt=0, le=1)
+    train: float = Field(gt=0, le=1)
+    decode_bw: float = Field(gt=0, le=1)
+    intra_node: float = Field(gt=0, le=1)
+    inter_node: float = Field(gt=0, le=1)
+    moe_train: float = Field(1.0, gt=0, le=1)
+
+
+class HardwareProfile(BaseModel):
+    """One device type. Unknown keys are errors.
+
+    Attributes:
+        name: canonical name (``H100-80GB``).
+        aliases: other names users type (``H100``, ``H100-SXM``).
+        kind: ``gpu`` or ``cpu``.
+        peak_tflops: dense bf16 peak per device (TFLOP/s).
+        memory_gb: device memory (GB, 1e9 bytes).
+        reserved_gb: memory not available to tensors (runtime context,
+            allocator fragmentation, communication buffers).
+        mem_bw_tb_s: memory bandwidth per device (TB/s).
+        intra_node_gb_s: device-to-device bandwidth inside a node, per device
+            and direction (GB/s).
+        inter_node_gb_s: network bandwidth per node and direction (GB/s).
+        devices_per_node: devices in a typical node.
+        latency_us: fixed latency per collective / per decode step launch (µs).
+        host_link_gb_s: host↔device bandwidth per device (offload; GB/s).
+        efficiency: achieved fractions (see :class:`Efficiency`).
+        sources: where each figure comes from.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    aliases: tuple[str, ...] = ()
+    kind: Literal["gpu", "cpu"] = "gpu"
+    peak_tflops: float = Field(gt=0)
+    memory_gb: float = Field(gt=0)
+    reserved_gb: float = Field(0.0, ge=0)
+    mem_bw_tb_s: float = Field(gt=0)
+    intra_node_gb_s: float = Field(gt=0)
+    inter_node_gb_s: float = Field(gt=0)
+    devices_per_node: int = Field(8, gt=0)
+    latency_us: float = Field(10.0, ge=0)
+    host_link_gb_s: float = Field(25.0, gt=0)
+    efficiency: Efficiency
+    sources: dict[str, str] = {}
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gb - self.reserved_gb) * 1e9
+
+
+_PROFILES: dict[str, HardwareProfile] | None = None
+
+
+def profiles() -> dict[str, HardwareProfile]:
+    """All built-in profiles by canonical name."""
+    global _PROFILES
+    if _PROFILES is None:
+        out: dict[str, HardwareProfile] = {}
+        for f in sorted(resources.files("flowc.ir").joinpath("hardware").iterdir(), key=lambda f: f.name):
+            if not f.name.endswith(".yaml"):
+                continue
+            try:
+                p = HardwareProfile.model_validate(yaml.safe_load(f.read_text()))
+            except ValidationError as e:
+                raise SpecError(f"hardware profile {f.name} is invalid: {e}") from e
+            out[p.name] = p
+        _PROFILES = out
+    return _PROFILES
+
+
+def get_profile(name: str) -> HardwareProfile:
+    """The profile called ``name`` or one of its aliases (case-insensitive)."""
+    key = name.strip().lower()
+    for p in profiles().values():
+        if key == p.name.lower() or key in (a.lower() for a in p.aliases):
+            return p
+    names = ", ".join(f"{p.name} ({', '.join(p.aliases)})" if p.aliases else p.name for p in profiles().values())
+    raise SpecError(f"unknown device type {name!r}", fix=f"use one of: {names}")

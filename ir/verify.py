@@ -1,0 +1,155 @@
+"""IR invariants, checked after tracing and after every pass (in tests).
+
+:func:`verify` raises :class:`~flowc.errors.VerificationError` naming the
+node and the broken rule. Stages:
+
+``traced``
+    what tracing produces: no ``weight_sync`` nodes yet.
+``planned``
+    after the reshard pass: ``weight_sync`` nodes allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import networkx as nx
+from flowc.ir.graph import FlowGraph, Node
+from flowc.ir.losses import POLICY_LOSSES, VALUE_LOSSES
+from flowc.ir.ops import OP_ROLE_KINDS, OPS, TRAINABLE_KINDS, WEIGHT_READERS
+from flowc.ir.shapes import UNKNOWN, WORKLOAD_SYMBOLS, dim_symbols
+from flowc.ir.targets import resolve
+from flowc.ir.types import BundleType, TensorType, TupleType, ValueType, project
+
+from flowc.errors import FlowcError, VerificationError
+
+Stage = Literal["traced", "planned"]
+
+
+def _fail(n: Node | None, rule: str) -> VerificationError:
+    where = f"node %{n.id} ({n.op})" if n is not None else "graph"
+    return VerificationError(f"{where}: {rule}")
+
+
+def _dims(t: ValueType) -> list[str]:
+    if isinstance(t, TensorType):
+        return list(t.shape)
+    if isinstance(t, BundleType):
+        return [t.batch] + [d for f in t.fields.values() for d in f.shape]
+    if isinstance(t, TupleType):
+        return [d for i in t.items for d in _dims(i)]
+    return []
+
+
+def verify(g: FlowGraph, stage: Stage = "traced") -> None:
+    """Check every invariant of ``stage``; raise on the first broken one."""
+    known_syms = set(WORKLOAD_SYMBOLS) | set(g.symbols)
+    seen: set[str] = set()
+    for n in g.nodes:
+        if n.op not in OPS:
+            raise _fail(n, f"op {n.op!r} is not one of {', '.join(OPS)}")
+        if n.op == "weight_sync" and stage == "traced":
+            raise _fail(n, "weight_sync nodes appear only after planning")
+        allowed = OP_ROLE_KINDS[n.op]
+        if allowed:
+            if n.role is None or n.role not in g.roles:
+                raise _fail(n, f"runs on role {n.role!r}, which the flow does not declare")
+            kind = g.roles[n.role].kind
+            if kind not in allowed:
+                raise _fail(n, f"role {n.role!r} is a {kind}; {n.op} runs on {', '.join(sorted(allowed))}")
+        elif n.role is not None:
+            raise _fail(n, f"{n.op} has no role, but names {n.role!r}")
+        for arg, ref in n.refs():
+            if ref.node not in seen:
+                raise _fail(n, f"argument {arg!r} uses %{ref.node} before it is computed")
+            try:
+                project(g[ref.node].type, ref.path)
+            except FlowcError as e:
+                raise _fail(n, f"argument {arg!r}: {e.what}") from None
+        for d in _dims(n.type):
+            if d == UNKNOWN:
+                continue
+            try:
+                extra = dim_symbols(d) - known_syms
+            except FlowcError as e:
+                raise _fail(n, e.what) from None
+            if extra:
+                raise _fail(n, f"shape {n.type} uses unbound symbol(s) {', '.join(sorted(extra))}")
+        _check_op(g, n)
+        seen.add(n.id)
+
+    if not nx.is_directed_acyclic_graph(g.data_dag()):
+        raise _fail(None, "data edges form a cycle")
+    if not any(n.op == "update" for n in g.nodes):
+        raise _fail(None, "no update node: the flow trains nothing")
+    _check_weight_edges(g)
+
+
+def _arg_type(g: FlowGraph, n: Node, i: int = 0) -> ValueType | None:
+    if len(n.args) <= i:
+        return None
+    ref = n.args[i]
+    try:
+        return project(g[ref.node].type, ref.path)
+    except (AttributeError, FlowcError):
+        return None
+
+
+def _check_op(g: FlowGraph, n: Node) -> None:
+    t0 = _arg_type(g, n)
+    if n.op == "input":
+        if n.kwargs.get("kind") != "prompts" or not isinstance(n.kwargs.get("source"), str):
+            raise _fail(n, "input needs kwargs source (a parameter name) and kind='prompts'")
+    elif n.op == "generate":
+        if not (isinstance(t0, BundleType) and t0.kind == "prompts"):
+            raise _fail(n, "generate's first argument must be the prompt batch")
+        k = n.kwargs.get("n")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise _fail(n, f"generate needs an integer n >= 1, has {k!r}")
+        if not (isinstance(n.type, BundleType) and n.type.kind == "rollout"):
+            raise _fail(n, "generate must produce a rollout")
+    elif n.op in ("logprobs", "values", "score", "reward", "update"):
+        if not (isinstance(t0, BundleType) and t0.kind == "rollout"):
+            raise _fail(n, f"{n.op}'s first argument must be a rollout")
+    elif n.op == "compute":
+        if not n.target:
+            raise _fail(n, "compute needs a target")
+        try:
+            resolve(n.target)
+        except FlowcError as e:
+            raise _fail(n, e.what) from None
+    if n.op == "update":
+        kind = g.roles[n.role].kind if n.role in g.roles else None
+        loss = n.kwargs.get("loss")
+        if kind == "policy":
+            if "advantages" not in n.kwargs:
+                raise _fail(n, "a policy update needs advantages")
+            if not isinstance(loss, POLICY_LOSSES):
+                raise _fail(n, f"a policy update needs a policy loss, has {loss}")
+            if n.kwargs.get("kl_coef", 0.0) > 0 and "ref_logprobs" not in n.kwargs:
+                raise _fail(n, "kl_coef > 0 needs ref_logprobs")
+        elif kind == "critic":
+            if "returns" not in n.kwargs:
+                raise _fail(n, "a critic update needs returns")
+            if not isinstance(loss, VALUE_LOSSES):
+                raise _fail(n, f"a critic update needs a value loss, has {loss}")
+
+
+def _check_weight_edges(g: FlowGraph) -> None:
+    weights = g.edges("weights")
+    for e in weights:
+        src, dst = g[e.src], g[e.dst]
+        if src.op != "update":
+            raise _fail(src, "weight edges start at an update")
+        if dst.role != src.role or dst.op not in WEIGHT_READERS:
+            raise _fail(dst, f"weight edge from %{src.id} must reach an op of role {src.role!r} that reads weights")
+    for role in g.roles.values():
+        if role.kind not in TRAINABLE_KINDS:
+            continue
+        if not any(n.op == "update" and n.role == role.name for n in g.nodes):
+            continue
+        readers = {n.id for n in g.nodes if n.role == role.name and n.op in WEIGHT_READERS}
+        reached = {e.dst for e in weights if g[e.src].role == role.name}
+        if readers != reached:
+            missing = ", ".join(sorted(readers - reached))
+            raise _fail(None, f"role {role.name!r}: no weight edge into {missing}")

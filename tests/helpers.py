@@ -1,0 +1,60 @@
+"""Helpers shared by the tests (importable as ``helpers``: pytest puts
+tests/ on sys.path).
+
+Golden files live in ``tests/golden``; run ``FLOWC_UPDATE_GOLDEN=1 pytest
+tests/unit/test_golden.py`` to rewrite them after an intended change, then
+review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def line_of(path: Path, needle: str) -> int:
+    """1-based line number of the first line containing ``needle``."""
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if needle in line:
+            return i
+    raise AssertionError(f"{needle!r} not in {path}")
+
+
+def check_golden(name: str, text: str) -> None:
+    """Compare ``text`` with tests/golden/<name>; rewrite it when
+    FLOWC_UPDATE_GOLDEN=1."""
+    path = GOLDEN / name
+    if os.environ.get("FLOWC_UPDATE_GOLDEN"):
+        path.write_text(text)
+        return
+    assert path.exists(), f"golden file {path} is missing; run with FLOWC_UPDATE_GOLDEN=1 to create it"
+    expected = path.read_text()
+    assert text == expected, f"output differs from golden {path.name}; if intended, rerun with FLOWC_UPDATE_GOLDEN=1"
+
+
+def policy_graph(
+    name: str = "tiny", *, n: int = 2, chain: int = 1, target: str = "torch.exp", constants: tuple = (), hyper: dict | None = None
+):
+    """A hand-built graph: prompts → actor.generate → ``chain`` compute nodes
+    over the sampler's logprobs → actor.update (advantages = the last one)."""
+    from flowc.ir.graph import FlowGraph, Node, RoleInfo, ValueRef
+    from flowc.ir.losses import ppo_clip
+    from flowc.ir.types import StatsType, TensorType, prompts_type, rollout_type
+
+    g = FlowGraph(name, roles={"actor": RoleInfo("actor", "policy")}, hyperparams=hyper or {"n": n}, symbols={"n": n})
+    g.add(Node("prompts", "input", None, prompts_type(), kwargs={"source": "prompts", "kind": "prompts"}))
+    g.add(Node("actor.generate", "generate", "actor", rollout_type("B*n"), args=(ValueRef("prompts"),), kwargs={"n": n}))
+    prev = ValueRef("actor.generate", ("logprobs",))
+    t = TensorType(shape=("B*n", "R"), dtype="float32")
+    for i in range(chain):
+        nid = g.unique_id("adv")
+        g.add(Node(nid, "compute", None, t, args=(prev, *constants), target=target, meta={"i": i, "x": list(constants)}))
+        prev = ValueRef(nid)
+    update_kwargs = {"advantages": prev, "loss": ppo_clip()}
+    g.add(Node("actor.update", "update", "actor", StatsType(), args=(ValueRef("actor.generate"),), kwargs=update_kwargs))
+    g.add_weight_edges()
+    return g
