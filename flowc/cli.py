@@ -84,6 +84,124 @@ def graph(
         typer.echo(format_graph(g), nl=False)
 
 
+ModelOpt = Annotated[
+    list[str] | None,
+    typer.Option("--model", "-m", help="ROLE=MODEL: a catalogue name, an HF config.json or model directory. Repeat per role."),
+]
+ClusterOpt = Annotated[
+    str | None,
+    typer.Option("--cluster", "-c", help="local, NODESxDEVICESxTYPE (16x8xA100-80GB, 2x8xH100) or a YAML file. Default: local."),
+]
+WorkloadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--workload",
+        "-w",
+        help="k=v,…: prompts, prompt_len, response_len, mean_response_len, mini_batches, epochs, train_micro_batch, forward_micro_batch.",
+    ),
+]
+PinOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--pin",
+        "-p",
+        help="Fix a decision: ROLE.PHASE.FIELD=VALUE, colocate=a,b;c, reshard.ROLE=METHOD, or a YAML plan fragment. Repeatable.",
+    ),
+]
+PlanOpt = Annotated[str | None, typer.Option("--plan", help="A saved plan (JSON) to reproduce: its decisions become pins.")]
+
+
+def _plan(file: str, overrides, model, cluster, workload, pin, plan_file):
+    from flowc.loader import load_flow
+    from flowc.passes.pipeline import make_plan
+    from flowc.planning import build_request, same_decisions
+
+    fl = load_flow(file)
+    g = fl.trace(**fl.parse_overrides(overrides or []))
+    req = build_request(g, model_words=model, cluster=cluster, workload=workload, pin_words=pin, plan_file=plan_file)
+    plan, planned, ctx = make_plan(g, req.models, req.cluster, req.workload, req.pins)
+    if req.saved is not None:
+        diffs = same_decisions(plan, req.saved)
+        if not diffs:
+            plan = req.saved
+        else:
+            err_console.print(
+                f"[yellow]note:[/] re-planning the saved plan changed: {', '.join(diffs)} (this flowc's cost model differs); printing the new plan"
+            )
+    return plan, planned, ctx, req
+
+
+@app.command()
+def plan(
+    file: FileArg,
+    overrides: OverridesArg = None,
+    model: ModelOpt = None,
+    cluster: ClusterOpt = None,
+    workload: WorkloadOpt = None,
+    pin: PinOpt = None,
+    plan_file: PlanOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Also save the plan as JSON to this path.")] = None,
+) -> None:
+    """Plan where and how every role of the flow runs, and explain why."""
+    import time
+
+    from flowc.ir.plan_text import format_plan
+
+    t0 = time.perf_counter()
+    p, _, _, req = _plan(file, overrides, model, cluster, workload, pin, plan_file)
+    if out:
+        from pathlib import Path
+
+        Path(out).write_text(p.to_json() + "\n")
+    if as_json:
+        typer.echo(p.to_json())
+    else:
+        typer.echo(format_plan(p), nl=False)
+        for n in req.notes or []:
+            err_console.print(f"note: {escape(n)}")
+        err_console.print(f"planned in {time.perf_counter() - t0:.2f} s")
+
+
+class ExportFormat(str, Enum):
+    html = "html"
+    svg = "svg"
+    dot = "dot"
+    mermaid = "mermaid"
+
+
+@app.command()
+def export(
+    file: FileArg,
+    overrides: OverridesArg = None,
+    model: ModelOpt = None,
+    cluster: ClusterOpt = None,
+    workload: WorkloadOpt = None,
+    pin: PinOpt = None,
+    plan_file: PlanOpt = None,
+    fmt: Annotated[
+        ExportFormat, typer.Option("--format", "-f", help="html (one self-contained file), svg (needs Graphviz), dot or mermaid.")
+    ] = ExportFormat.html,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Where to write; default: stdout (html/svg: FLOW.FORMAT).")
+    ] = None,
+) -> None:
+    """Draw the plan: placement over time, the annotated dataflow graph, memory per device, the timeline."""
+    from pathlib import Path
+
+    from flowc.export import render
+
+    p, planned, _, _ = _plan(file, overrides, model, cluster, workload, pin, plan_file)
+    text = render(p, planned, fmt.value)
+    if output is None and fmt.value in ("html", "svg"):
+        output = f"{p.flow}.{fmt.value}"
+    if output:
+        Path(output).write_text(text)
+        err_console.print(f"wrote {output}")
+    else:
+        typer.echo(text, nl=False)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``flowc`` script."""
     try:

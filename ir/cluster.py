@@ -20,10 +20,10 @@ import re
 from pathlib import Path
 
 import yaml
-from flowc.ir.hardware import HardwareProfile, get_profile
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flowc.errors import SpecError
+from flowc.ir.hardware import HardwareProfile, get_profile
 
 _SHORTHAND = re.compile(r"^\s*(?:(\d+)\s*[xX×]\s*)?(\d+)\s*[xX×]\s*([A-Za-z][\w.\-]*)\s*$")
 

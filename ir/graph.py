@@ -15,10 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
-from flowc.ir.ops import OPS, TRAINABLE_KINDS, WEIGHT_READERS
-from flowc.ir.types import ValueType, WeightsType, project
 
 from flowc.errors import IRError
+from flowc.ir.ops import OPS, TRAINABLE_KINDS, WEIGHT_READERS
+from flowc.ir.types import ValueType, WeightsType, project
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,8 @@ class FlowGraph:
 
     def add_weight_edges(self) -> None:
         """Add the loop-carried weight edges of every trainable role: from its
-        (last) ``update`` to each op that reads its weights."""
+        (last) ``update`` — or, once planned, its last ``weight_sync`` — to each
+        op that reads its weights."""
         for u, v, k, e in list(self._g.edges(keys=True, data="edge")):
             if e.kind == "weights":
                 self._g.remove_edge(u, v, k)
@@ -167,7 +168,8 @@ class FlowGraph:
             updates = [n for n in self._nodes.values() if n.op == "update" and n.role == role.name]
             if not updates:
                 continue
-            src = updates[-1]
+            syncs = [n for n in self._nodes.values() if n.op == "weight_sync" and n.role == role.name]
+            src = syncs[-1] if syncs else updates[-1]
             for n in self._nodes.values():
                 if n.role == role.name and n.op in WEIGHT_READERS:
                     e = Edge(src.id, n.id, "weights", (), WeightsType(role=role.name), kind="weights")

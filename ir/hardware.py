@@ -58,8 +58,12 @@ class HardwareProfile(BaseModel):
             and direction (GB/s).
         inter_node_gb_s: network bandwidth per node and direction (GB/s).
         devices_per_node: devices in a typical node.
-        latency_us: fixed latency per collective / per decode step launch (µs).
+        latency_us: fixed latency of one collective (µs).
+        layer_overhead_us: fixed cost per layer of one decode step (kernel
+            launches; CUDA graphs keep it small) (µs).
         host_link_gb_s: host↔device bandwidth per device (offload; GB/s).
+        host_memory_gb: host memory per node that offloaded states may use
+            (GB); 0 disables offload (CPU devices: the host is the device).
         efficiency: achieved fractions (see :class:`Efficiency`).
         sources: where each figure comes from.
     """
@@ -76,7 +80,9 @@ class HardwareProfile(BaseModel):
     inter_node_gb_s: float = Field(gt=0)
     devices_per_node: int = Field(8, gt=0)
     latency_us: float = Field(10.0, ge=0)
+    layer_overhead_us: float = Field(5.0, ge=0)
     host_link_gb_s: float = Field(25.0, gt=0)
+    host_memory_gb: float = Field(0.0, ge=0)
     efficiency: Efficiency
     sources: dict[str, str] = {}
 

@@ -148,6 +148,11 @@ class ModelSpec(BaseModel):
         return 3 * self.hidden_size * self.moe_intermediate_size if self.is_moe else 0
 
     @cached_property
+    def expert_params_total(self) -> int:
+        """Parameters of all routed experts of all MoE layers."""
+        return self.moe_layers * self.num_experts * self.expert_params
+
+    @cached_property
     def moe_layer_mlp_params(self) -> tuple[int, int]:
         """(total, active) MLP parameters of one MoE layer (router included)."""
         router = self.hidden_size * self.num_experts

@@ -17,12 +17,12 @@ import json
 from typing import Any, Literal
 
 import torch
-from flowc.ir.graph import FlowGraph, Node, RoleInfo, ValueRef
-from flowc.ir.losses import LOSS_ADAPTER, LOSS_TYPES
-from flowc.ir.types import ValueType
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flowc.errors import IRError
+from flowc.ir.graph import FlowGraph, Node, RoleInfo, ValueRef
+from flowc.ir.losses import LOSS_ADAPTER, LOSS_TYPES
+from flowc.ir.types import ValueType
 
 FORMAT = "flowc.graph"
 VERSION = 1

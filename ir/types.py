@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal, Union
 
-from flowc.ir.shapes import UNKNOWN, numel
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowc.errors import IRError
+from flowc.ir.shapes import UNKNOWN, numel
 
 DTYPE_BYTES: dict[str, int] = {
     "bool": 1,

@@ -14,14 +14,14 @@ from __future__ import annotations
 from typing import Literal
 
 import networkx as nx
+
+from flowc.errors import FlowcError, VerificationError
 from flowc.ir.graph import FlowGraph, Node
 from flowc.ir.losses import POLICY_LOSSES, VALUE_LOSSES
 from flowc.ir.ops import OP_ROLE_KINDS, OPS, TRAINABLE_KINDS, WEIGHT_READERS
 from flowc.ir.shapes import UNKNOWN, WORKLOAD_SYMBOLS, dim_symbols
 from flowc.ir.targets import resolve
 from flowc.ir.types import BundleType, TensorType, TupleType, ValueType, project
-
-from flowc.errors import FlowcError, VerificationError
 
 Stage = Literal["traced", "planned"]
 
@@ -111,6 +111,11 @@ def _check_op(g: FlowGraph, n: Node) -> None:
     elif n.op in ("logprobs", "values", "score", "reward", "update"):
         if not (isinstance(t0, BundleType) and t0.kind == "rollout"):
             raise _fail(n, f"{n.op}'s first argument must be a rollout")
+    elif n.op == "weight_sync":
+        if not n.args or g[n.args[0].node].op != "update" or g[n.args[0].node].role != n.role:
+            raise _fail(n, "weight_sync follows an update of its own role")
+        if not isinstance(n.kwargs.get("method"), str):
+            raise _fail(n, "weight_sync needs a method")
     elif n.op == "compute":
         if not n.target:
             raise _fail(n, "compute needs a target")
@@ -139,8 +144,8 @@ def _check_weight_edges(g: FlowGraph) -> None:
     weights = g.edges("weights")
     for e in weights:
         src, dst = g[e.src], g[e.dst]
-        if src.op != "update":
-            raise _fail(src, "weight edges start at an update")
+        if src.op not in ("update", "weight_sync"):
+            raise _fail(src, "weight edges start at an update or a weight_sync")
         if dst.role != src.role or dst.op not in WEIGHT_READERS:
             raise _fail(dst, f"weight edge from %{src.id} must reach an op of role {src.role!r} that reads weights")
     for role in g.roles.values():

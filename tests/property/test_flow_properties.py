@@ -6,15 +6,15 @@ import tempfile
 from pathlib import Path
 
 import torch
-from flowc.ir.functional import Rollout
-from flowc.ir.serialize import from_json, to_json
-from flowc.ir.types import TensorType
-from flowc.ir.verify import verify
 from helpers import policy_graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flowc as fc
+from flowc.ir.functional import Rollout
+from flowc.ir.serialize import from_json, to_json
+from flowc.ir.types import TensorType
+from flowc.ir.verify import verify
 from flowc.loader import load_flow
 
 # ---------------------------------------------------------------- random flows

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from flowc.ir.verify import verify
 from helpers import ROOT
 
+from flowc.ir.verify import verify
 from flowc.loader import load_flow
 
 DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md"])

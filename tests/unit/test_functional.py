@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from flowc.ir.functional import Rollout
-from flowc.ir.losses import PPOClip, aggregate, policy_loss, value_loss
 
 import flowc as fc
+from flowc.ir.functional import Rollout
+from flowc.ir.losses import PPOClip, aggregate, policy_loss, value_loss
 
 
 def test_group_normalize_by_hand():

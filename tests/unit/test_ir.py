@@ -6,6 +6,9 @@ import json
 
 import pytest
 import torch
+from helpers import EXAMPLES, check_golden, policy_graph
+
+from flowc.errors import IRError, VerificationError
 from flowc.ir.graph import FlowGraph, Node, RoleInfo, ValueRef
 from flowc.ir.losses import ppo_clip
 from flowc.ir.serialize import decode, encode, from_dict, from_json, to_dict, to_json
@@ -13,9 +16,6 @@ from flowc.ir.shapes import eval_dim, match_dim, numel
 from flowc.ir.text import to_dot, to_mermaid
 from flowc.ir.types import StatsType, TensorType, nbytes, prompts_type, rollout_type
 from flowc.ir.verify import verify
-from helpers import EXAMPLES, check_golden, policy_graph
-
-from flowc.errors import IRError, VerificationError
 from flowc.loader import load_flow
 
 

@@ -39,6 +39,8 @@ def test_layer_imports_only_below_itself(layer):
         for line, mod in _flowc_imports(f):
             if (mod == "flowc" or mod.startswith("flowc.")) and not mod.startswith(ALLOWED[layer]):
                 bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod}")
+            if mod.split(".")[0] in ("ir", "passes", "runtime"):
+                bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod}: write flowc.{mod} (the installed name)")
     assert not bad, "\n".join(bad)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from flowc.errors import SpecError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.hardware import get_profile, profiles
 from flowc.ir.models import ModelSpec, catalogue
 from flowc.ir.workload import WorkloadSpec
-
-from flowc.errors import SpecError
 
 # Published totals (model cards / papers), in billions.
 PUBLISHED = {
@@ -42,7 +42,7 @@ def test_parameter_counts_match_published_totals(name):
 
 
 def test_every_catalogue_entry_has_a_published_total():
-    assert set(catalogue()) == set(PUBLISHED)
+    assert {k for k in catalogue() if not k.startswith("flowc-")} == set(PUBLISHED)
 
 
 def test_qwen25_7b_counted_by_hand():

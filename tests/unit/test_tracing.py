@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from helpers import EXAMPLES
+
 from flowc.ir.serialize import from_json, to_json
 from flowc.ir.types import BundleType, TensorType, TupleType
 from flowc.ir.verify import verify
-from helpers import EXAMPLES
-
 from flowc.loader import load_flow
 
 EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.py"))

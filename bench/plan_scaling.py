@@ -1,0 +1,74 @@
+"""How long `flowc plan` takes, CLI start-up included, against cluster size and role count.
+
+    python bench/plan_scaling.py [--repeats 3]      # prints a markdown table
+
+Each cell runs the real command line in a fresh process
+(`flowc plan FLOW --model actor=llama-3.1-70b --cluster Nx8xH100 --json`) and
+reports the median wall time of the repeats. Goals (issue "Planner"): PPO with
+four 70B roles in under 5 s on 128 GPUs and under 30 s on 1024 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOWS = {"grpo (policy + reference)": "examples/grpo.py", "ppo (policy, critic, reference, reward model)": "examples/ppo.py"}
+NODES = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def run(flow: str, nodes: int) -> tuple[float, dict]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowc.cli",
+        "plan",
+        flow,
+        "--model",
+        "actor=llama-3.1-70b",
+        "--cluster",
+        f"{nodes}x8xH100",
+        "--json",
+    ]
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if r.returncode != 0:
+        return wall, {"error": r.stderr.strip().splitlines()[0]}
+    return wall, json.loads(r.stdout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {platform.python_version()}, repeats {args.repeats}, median wall time"
+    )
+    print()
+    print("| flow | GPUs | wall time | strategy | device splits scored | predicted step |")
+    print("|---|---:|---:|---|---:|---:|")
+    for name, flow in FLOWS.items():
+        for n in NODES:
+            walls, plan = [], {}
+            for _ in range(args.repeats):
+                w, plan = run(flow, n)
+                walls.append(w)
+            if "error" in plan:
+                print(f"| {name} | {n * 8} | {statistics.median(walls):.2f} s | infeasible | — | {plan['error'][:60]} |")
+                continue
+            s = plan["search"]
+            print(
+                f"| {name} | {n * 8} | {statistics.median(walls):.2f} s | {s['strategy']} | {s['device_splits']} | {plan['predicted']['step_time_s']:.1f} s |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The human (and golden-tested) text form of a Plan: what ``flowc plan`` prints."""
+
+from __future__ import annotations
+
+from flowc.ir.plan import Plan
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
+    right = right or set()
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)] if rows else [len(h) for h in headers]
+
+    def fmt(r: list[str]) -> str:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        return "  " + "  ".join(cells).rstrip()
+
+    return [fmt(headers), fmt(["-" * w for w in widths]), *[fmt(r) for r in rows]]
+
+
+def _s(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f} s"
+    if x >= 1:
+        return f"{x:.1f} s"
+    return f"{x * 1000:.0f} ms"
+
+
+def params(b: float) -> str:
+    """Parameters in billions as people write them: 70.6B, 494M, 0.6M."""
+    if b >= 1:
+        return f"{b:.3g}B" if b < 100 else f"{b:.0f}B"
+    return f"{b * 1000:.3g}M"
+
+
+def format_plan(plan: Plan) -> str:
+    c = plan.cluster
+    w = plan.workload
+    p = plan.predicted
+    lines = [
+        f"plan {plan.flow} on {c['name']} ({c['world_size']} devices)",
+        f"  workload  {w['prompts']} prompts/step, prompt {w['prompt_len']}, response {w['response_len']}"
+        + (f" (mean {w['mean_response_len']})" if w.get("mean_response_len") else "")
+        + f", {w['mini_batches']} update(s) × {w['epochs']} epoch(s)",
+        "  models    "
+        + ", ".join(
+            f"{r}={rp.model} ({rp.params_b:g}B"
+            + (f", {rp.active_params_b:g}B active)" if rp.active_params_b != rp.params_b else ")")
+            for r, rp in plan.roles.items()
+        ),
+        "",
+        f"predicted: {p.step_time_s:.2f} s/step · {p.tokens_per_s:,.0f} tokens/s · {p.tokens_per_s_per_device:,.1f} tokens/s/device · MFU {p.mfu * 100:.1f} %",
+        "",
+        "pools",
+    ]
+    lines += _table(
+        ["pool", "devices", "ids", "nodes", "busy", "idle"],
+        [
+            [x.name, str(x.device_count), x.devices, str(x.nodes), _s(x.busy_s), f"{x.idle_fraction * 100:.0f} %"]
+            for x in plan.pools
+        ],
+        right={1, 3, 4, 5},
+    )
+    lines += ["", "roles (memory per device, GB)"]
+    rows = []
+    for r, rp in plan.roles.items():
+        for ph, pp in rp.phases.items():
+            m = pp.memory
+            lay = pp.layout
+            flags = [
+                f
+                for f, on in (
+                    ("fsdp", lay.fsdp),
+                    ("off-p", lay.offload_params),
+                    ("off-o", lay.offload_optimizer),
+                    ("ckpt", lay.activation_checkpointing),
+                )
+                if on
+            ]
+            rows.append(
+                [
+                    f"{r}.{ph}",
+                    str(pp.device_count),
+                    f"dp{pp.dp} tp{pp.tp} pp{pp.pp}"
+                    + (f" cp{pp.cp}" if pp.cp > 1 else "")
+                    + (f" ep{pp.ep}" if pp.ep > 1 else ""),
+                    lay.backend
+                    + (f" [{','.join(flags)}]" if flags else "")
+                    + (f" mb{lay.micro_batch}" if ph != "generate" else ""),
+                    f"{m.weights:.1f}",
+                    f"{m.gradients:.1f}",
+                    f"{m.optimizer:.1f}",
+                    f"{m.activations:.1f}",
+                    f"{m.kv_cache:.1f}",
+                    f"{m.buffers:.1f}",
+                    f"{m.other_roles:.1f}",
+                    f"{pp.memory_gb_per_device:.1f}/{pp.capacity_gb:.0f}",
+                    _s(pp.time_s) + (f" ({pp.waves} waves)" if pp.waves > 1 else ""),
+                ]
+            )
+    lines += _table(
+        [
+            "role.phase",
+            "devs",
+            "degrees",
+            "backend",
+            "weights",
+            "grads",
+            "optim",
+            "act",
+            "kv",
+            "buf",
+            "others",
+            "total/cap",
+            "time",
+        ],
+        rows,
+        right={1, 4, 5, 6, 7, 8, 9, 10, 11, 12},
+    )
+    lines += ["", "reshards"]
+    lines += _table(
+        ["role", "edge", "method", "GB/device", "lower bound", "time", "link"],
+        [
+            [
+                r.role,
+                f"{r.src} → {r.dst}",
+                r.method,
+                f"{r.bytes_per_device / 1e9:.2f}",
+                f"{r.lower_bound_bytes / 1e9:.2f}",
+                _s(r.time_s),
+                r.link,
+            ]
+            for r in plan.reshards
+        ],
+        right={3, 4, 5},
+    )
+    lines += ["", "schedule (one iteration)"]
+    lines += _table(
+        ["start", "end", "op", "pool"],
+        [
+            [f"{e.start_s:.2f}", f"{e.end_s:.2f}", e.op, e.pool or "controller"]
+            for e in plan.schedule
+            if e.end_s > e.start_s or e.pool
+        ],
+        right={0, 1},
+    )
+    lines += ["", "why"]
+    lines += [f"  - {x}" for x in plan.why]
+    if plan.alternatives:
+        lines += ["", "alternatives"]
+        for a in plan.alternatives:
+            lines.append(f"  - {a.summary}")
+            lines.append(f"      {a.rejected_because}")
+    return "\n".join(lines) + "\n"

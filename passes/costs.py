@@ -1,0 +1,413 @@
+"""The analytic cost model: memory per device and time of one role in one phase.
+
+Every function here is pure: (model, layout, demand, hardware) → numbers.
+Formulas are written out in docs/planner.md; the hardware's achieved
+fractions (``efficiency``) are calibrated there against published runs.
+
+Units: bytes, seconds, FLOP/s. ``Hw`` holds the achieved bandwidths (peak ×
+efficiency) so the formulas below read as "bytes / bandwidth".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from flowc.ir.cluster import ClusterSpec
+from flowc.ir.hardware import Efficiency
+from flowc.ir.models import ModelSpec
+from flowc.ir.plan import Layout, Memory
+from flowc.passes.flops import Demand, attention_flops_per_token, forward_flops, matmul_params, train_flops, useful_train_flops
+
+GB = 1e9
+ACT_BYTES_PER_TOKEN_HIDDEN = 34.0  # Korthikanti et al. 2022, per layer, with flash attention and sequence parallelism
+CKPT_BYTES_PER_TOKEN_HIDDEN = 2.0  # a checkpointed layer keeps only its bf16 input
+CPU_ADAM_PARAMS_PER_S = 1.0e9  # host-side Adam throughput per device share (assumption, see docs/planner.md)
+FIXED_BUFFERS_GB = {"gpu": 1.0, "cpu": 0.1}  # CUDA graphs / NCCL / sampler workspaces
+
+
+@dataclass(frozen=True)
+class Hw:
+    """Achieved rates of one device of a cluster."""
+
+    kind: str
+    peak: float  # FLOP/s (peak, before efficiency)
+    hbm: float  # B/s, peak
+    intra: float  # B/s per device per direction, achieved
+    inter: float  # B/s per device (share of the node's network), achieved
+    node: int
+    capacity: float  # usable bytes per device
+    latency: float  # s per collective
+    layer_overhead: float  # s per layer per decode step
+    host: float  # B/s host link
+    eff: Efficiency
+    nodes: int = 1
+    host_per_device_gb: float = 0.0  # host memory offloaded states may use, per device
+
+    @classmethod
+    def of(cls, cluster: ClusterSpec) -> Hw:
+        p = cluster.profile
+        return cls(
+            kind=p.kind,
+            peak=p.peak_tflops * 1e12,
+            hbm=p.mem_bw_tb_s * 1e12,
+            intra=p.intra_node_gb_s * GB * p.efficiency.intra_node,
+            inter=p.inter_node_gb_s * GB / p.devices_per_node * p.efficiency.inter_node,
+            node=cluster.devices_per_node,
+            capacity=p.usable_bytes,
+            latency=p.latency_us * 1e-6,
+            layer_overhead=p.layer_overhead_us * 1e-6,
+            host=p.host_link_gb_s * GB,
+            eff=p.efficiency,
+            nodes=cluster.nodes,
+            host_per_device_gb=0.8 * p.host_memory_gb / p.devices_per_node,
+        )
+
+    def link(self, group: int, stride: int = 1) -> float:
+        """Bandwidth of a collective over ``group`` devices spaced ``stride`` apart."""
+        if group <= 1:
+            return math.inf
+        return self.intra if group * stride <= self.node else min(self.intra, self.inter)
+
+    def crosses_nodes(self, group: int, stride: int = 1) -> bool:
+        return group > 1 and group * stride > self.node
+
+
+def allreduce_time(nbytes: float, group: int, bw: float, lat: float) -> float:
+    """Ring all-reduce: 2(g-1)/g × bytes over the link, plus latency."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    return 2.0 * (group - 1) / group * nbytes / bw + 2.0 * (group - 1) * lat
+
+
+def gather_time(nbytes: float, group: int, bw: float, lat: float) -> float:
+    """All-gather or reduce-scatter of a tensor of ``nbytes`` (full size)."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    return (group - 1) / group * nbytes / bw + (group - 1) * lat
+
+
+def shape_efficiency(tokens_per_micro: float, width: float) -> float:
+    """GEMMs on few tokens or narrow shards run below the calibrated rate:
+    a saturating factor in the micro-batch tokens and the per-device width."""
+    return (tokens_per_micro / (tokens_per_micro + 64.0)) * (width / (width + 256.0))
+
+
+# ------------------------------------------------------------------ params
+@dataclass(frozen=True)
+class ParamSplit:
+    """Parameters per device of a layout (dense part over tp·pp, experts over ep·pp)."""
+
+    dense: float
+    expert: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+def expert_params_total(m: ModelSpec) -> int:
+    return m.expert_params_total
+
+
+def params_per_device(m: ModelSpec, lay: Layout, *, sharded_over_dp: bool | None = None) -> ParamSplit:
+    """Parameters one device holds (before any dp sharding unless ``sharded_over_dp``)."""
+    experts = expert_params_total(m)
+    dense = m.params_total - experts
+    fsdp = lay.fsdp if sharded_over_dp is None else sharded_over_dp
+    dp_shard = lay.dp * lay.cp if fsdp else 1
+    ep = max(lay.ep, 1)
+    if lay.backend in ("vllm", "hf"):
+        exp_div = ep if ep > 1 else lay.tp
+        return ParamSplit(dense / (lay.tp * lay.pp), experts / (exp_div * lay.pp))
+    return ParamSplit(dense / (lay.tp * lay.pp * dp_shard), experts / (ep * lay.pp * (dp_shard if fsdp else 1)))
+
+
+# ------------------------------------------------------------------ memory
+_MEM_ZERO = {k: 0.0 for k in Memory.model_fields}
+
+
+def _memory(**kw: float) -> Memory:
+    return Memory.model_construct(**{**_MEM_ZERO, **kw})
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """What one role costs in one phase with one layout."""
+
+    time: float
+    memory: Memory  # GB per device; resident + this phase's transient
+    resident_gb: float  # stays on the device while other phases run
+    mfu: float = 0.0
+    waves: int = 1
+    detail: dict[str, float] = field(default_factory=dict)
+    host_gb: float = 0.0  # offloaded state in host memory
+
+
+def _tokens_per_micro(lay: Layout, seq_len: float) -> float:
+    return lay.micro_batch * seq_len / lay.cp
+
+
+def _expert_dp(lay: Layout) -> int:
+    """Replicas of each expert shard: the tp·dp·cp ranks over the ep groups."""
+    return max(lay.tp * lay.dp * lay.cp // max(lay.ep, 1), 1)
+
+
+def train_state_gb(m: ModelSpec, lay: Layout) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) GB per device of a trained role, after offload."""
+    if lay.fsdp:  # FSDP2 mixed precision: fp32 sharded params (master), fp32 grads, Adam m, v
+        p = params_per_device(m, lay).total
+        w, g, o = 4.0 * p, 4.0 * p, 8.0 * p
+        if lay.offload_params:  # CPUOffloadPolicy: params, grads and optimizer live on the host
+            return 0.0, 0.0, 0.0
+    else:  # Megatron: bf16 params, fp32 grad buffer, distributed optimizer (fp32 master + m + v) over dp
+        ps = params_per_device(m, lay)
+        w, g = 2.0 * ps.total, 4.0 * ps.total
+        o = 12.0 * (ps.dense / (lay.dp * lay.cp) + ps.expert / _expert_dp(lay))
+    if lay.offload_optimizer:
+        o = 0.0
+    return w / GB, g / GB, o / GB
+
+
+def host_state_gb(m: ModelSpec, lay: Layout) -> float:
+    """GB per device of training state kept in host memory by offload."""
+    p = params_per_device(m, lay).total
+    if lay.fsdp and lay.offload_params:
+        return 16.0 * p / GB
+    if lay.offload_optimizer:
+        if lay.fsdp:
+            return 8.0 * p / GB
+        ps = params_per_device(m, lay)
+        return 12.0 * (ps.dense / (lay.dp * lay.cp) + ps.expert / _expert_dp(lay)) / GB
+    return 0.0
+
+
+def activation_gb(m: ModelSpec, lay: Layout, seq_len: float, *, train: bool, logits: bool, micro_batches: int) -> float:
+    """Peak activation GB per device of one micro-batch in flight (× pipeline depth when training)."""
+    t = _tokens_per_micro(lay, seq_len)
+    h = m.hidden_size
+    layers = math.ceil(m.num_layers / lay.pp)
+    per_layer_full = ACT_BYTES_PER_TOKEN_HIDDEN * t * h / lay.tp
+    if train:
+        if lay.activation_checkpointing:
+            act = CKPT_BYTES_PER_TOKEN_HIDDEN * t * h * layers + per_layer_full
+        else:
+            act = per_layer_full * layers
+        act *= min(lay.pp, max(micro_batches, 1))  # 1F1B: the first stage holds up to pp micro-batches
+    else:
+        act = 2 * per_layer_full  # inference keeps a layer's working set
+    if logits:  # fp32 logits (+ their gradient when training), vocab-parallel over tp
+        act += (8.0 if train else 4.0) * t * m.vocab_size / lay.tp
+    return act / GB
+
+
+def buffers_gb(m: ModelSpec, lay: Layout, hw: Hw) -> float:
+    fixed = FIXED_BUFFERS_GB[hw.kind]
+    if lay.fsdp:  # two unsharded layers in flight (current + prefetched), bf16
+        layer_params = (m.params_total - m.embedding_params) / m.num_layers
+        fixed += 2 * 2.0 * layer_params / lay.tp / GB
+    return fixed
+
+
+# -------------------------------------------------------------------- time
+def _micro_batches(seqs_per_replica: float, lay: Layout) -> int:
+    return max(1, math.ceil(seqs_per_replica / lay.micro_batch))
+
+
+def _dp_bw(hw: Hw, lay: Layout) -> float:
+    return hw.link(lay.dp, lay.tp * lay.cp)
+
+
+def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, forward_after: bool = True) -> PhaseCost:
+    """Time and memory of ``update`` with layout ``lay`` (``d.updates`` optimizer steps)."""
+    devices = lay.world
+    seqs_per_update = d.sequences * d.passes / d.updates
+    seqs_per_dp = seqs_per_update / lay.dp
+    mbs = _micro_batches(seqs_per_dp, lay)
+    t_micro = _tokens_per_micro(lay, d.seq_len)
+    eff = hw.eff.train * (hw.eff.moe_train if m.is_moe else 1.0) * shape_efficiency(t_micro, m.hidden_size / lay.tp)
+    flops = train_flops(m, d.tokens, d.seq_len, recompute=lay.activation_checkpointing)
+    compute = flops / (devices * hw.peak * eff)
+    tokens_per_rank = d.tokens / lay.dp / lay.cp
+    layers = m.num_layers / lay.pp
+    h2 = m.hidden_size * 2.0
+    # tensor parallel: 4 all-reduce-equivalents per layer (2 fwd, 2 bwd), 2 more when recomputing
+    n_tp = (6 if lay.activation_checkpointing else 4) * layers
+    tp = 0.0
+    if lay.tp > 1:
+        tp = allreduce_time(tokens_per_rank * h2, lay.tp, hw.link(lay.tp), 0.0) * n_tp + n_tp * mbs * d.updates * hw.latency
+    # context parallel: K/V passed around the ring, mostly overlapped with attention
+    cp = 0.0
+    if lay.cp > 1:
+        kv = 2 * m.num_kv_heads * m.head_dim * 2.0
+        cp = 0.3 * 3 * layers * (lay.cp - 1) * tokens_per_rank * kv / hw.link(lay.cp, lay.tp)
+    # pipeline: fill and drain once per optimizer update, plus activations between stages
+    bubble = compute / d.updates * (lay.pp - 1) / mbs * d.updates if lay.pp > 1 else 0.0
+    pp_p2p = 0.0
+    if lay.pp > 1:
+        pp_p2p = 2 * tokens_per_rank * h2 / hw.link(lay.pp, lay.tp * lay.cp * lay.dp) * (lay.pp - 1) / lay.pp
+    # data parallel: gradient reduction (and parameter gathering) per update or per micro-batch
+    ps_full = params_per_device(m, lay, sharded_over_dp=False)
+    dp_bw = _dp_bw(hw, lay)
+    dp = 0.0
+    if lay.dp * lay.cp > 1:
+        group = lay.dp * lay.cp
+        if lay.fsdp:  # all-gather fwd + bwd (bf16) every micro-batch; grads reduce-scattered (fp32) once per update
+            per_mb = gather_time(ps_full.total * 2.0, group, dp_bw, hw.latency) * 2
+            comm = (per_mb * mbs + gather_time(ps_full.total * 4.0, group, dp_bw, hw.latency)) * d.updates
+            dp = max(comm - 0.8 * compute, 0.1 * comm)
+        else:  # distributed optimizer: reduce-scatter fp32 grads + all-gather bf16 params, per update
+            comm = (
+                gather_time(ps_full.dense * 6.0, group, dp_bw, hw.latency)
+                + gather_time(ps_full.expert * 6.0, _expert_dp(lay), dp_bw, hw.latency)
+            ) * d.updates
+            dp = 0.5 * comm
+    # expert parallel: token dispatch and combine (all-to-all), forward and backward
+    ep = 0.0
+    if m.is_moe and lay.ep > 1:
+        # sequence parallelism scatters a replica's tokens over its tp ranks before dispatch
+        a2a = tokens_per_rank / lay.tp * m.experts_per_token * h2 * (lay.ep - 1) / lay.ep
+        ep = 4 * m.moe_layers / lay.pp * a2a / hw.link(lay.ep)
+    # optimizer step: memory-bound pass over master weights, moments and grads
+    local = params_per_device(m, lay).total
+    if lay.offload_optimizer or lay.offload_params:
+        opt = (local * 6.0 / hw.host + local / CPU_ADAM_PARAMS_PER_S) * d.updates
+    else:
+        opt = local * 32.0 / (hw.hbm * 0.8) * d.updates
+    offload = 0.0
+    if lay.offload_params:  # host → device copies of the shards every micro-batch (half hidden by prefetch)
+        offload = 0.5 * local * 2.0 * 2 / hw.host * mbs * d.updates
+    total = compute + tp + cp + bubble + pp_p2p + dp + ep + opt + offload
+    w, g, o = train_state_gb(m, lay)
+    act = activation_gb(m, lay, d.seq_len, train=True, logits=logits, micro_batches=mbs)
+    buf = buffers_gb(m, lay, hw)
+    resident = w + g + o
+    mem = _memory(weights=w, gradients=g, optimizer=o, activations=act, buffers=buf)
+    mfu = useful_train_flops(m, d.tokens, d.seq_len) / (total * devices * hw.peak) if total > 0 else 0.0
+    detail = {
+        "compute": compute,
+        "tp": tp,
+        "cp": cp,
+        "pp_bubble": bubble + pp_p2p,
+        "dp": dp,
+        "ep": ep,
+        "optimizer": opt,
+        "offload": offload,
+    }
+    return PhaseCost(total, mem, resident, mfu, 1, detail, host_state_gb(m, lay))
+
+
+def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, frozen: bool) -> PhaseCost:
+    """Time and memory of a forward op (logprobs / values / score) with ``lay``.
+
+    ``frozen``: the role has no training state (its weights are its whole
+    resident memory); otherwise the training state is resident and counted by
+    :func:`train_cost`, so only the transient part is added here."""
+    devices = lay.world
+    seqs_per_dp = d.sequences * d.passes / lay.dp
+    mbs = _micro_batches(seqs_per_dp, lay)
+    t_micro = _tokens_per_micro(lay, d.seq_len)
+    eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp)
+    compute = forward_flops(m, d.tokens, d.seq_len) / (devices * hw.peak * eff)
+    tokens_per_rank = d.tokens / lay.dp / lay.cp
+    layers = m.num_layers / lay.pp
+    h2 = m.hidden_size * 2.0
+    tp = 0.0
+    if lay.tp > 1:
+        tp = allreduce_time(tokens_per_rank * h2, lay.tp, hw.link(lay.tp), 0.0) * 2 * layers + 2 * layers * mbs * hw.latency
+    bubble = compute * (lay.pp - 1) / mbs if lay.pp > 1 else 0.0
+    ep = 0.0
+    if m.is_moe and lay.ep > 1:
+        ep = (
+            2
+            * m.moe_layers
+            / lay.pp
+            * tokens_per_rank
+            / lay.tp
+            * m.experts_per_token
+            * h2
+            * (lay.ep - 1)
+            / lay.ep
+            / hw.link(lay.ep)
+        )
+    ps_full = params_per_device(m, lay, sharded_over_dp=False)
+    gather = 0.0
+    if lay.fsdp and lay.dp * lay.cp > 1:
+        comm = gather_time(ps_full.total * 2.0, lay.dp * lay.cp, _dp_bw(hw, lay), hw.latency) * mbs
+        gather = max(comm - 0.8 * compute, 0.1 * comm)
+    local = params_per_device(m, lay).total
+    offload = 0.0
+    if lay.offload_params:
+        # frozen roles swap their weights in once per op; FSDP's CPU offload copies them every micro-batch
+        offload = local * 2.0 / hw.host if frozen else 0.5 * local * 2.0 / hw.host * mbs
+    total = compute + tp + bubble + ep + gather + offload
+    act = activation_gb(m, lay, d.seq_len, train=False, logits=logits, micro_batches=mbs)
+    buf = buffers_gb(m, lay, hw)
+    host = 0.0
+    if frozen:  # offloaded weights are on the device only while the op runs
+        w = 2.0 * local / GB
+        host = w if lay.offload_params else 0.0
+        mem = _memory(weights=w, activations=act, buffers=buf)
+        resident = 0.0 if lay.offload_params else w
+    else:
+        mem = _memory(activations=act, buffers=buf)
+        resident = 0.0
+    return PhaseCost(
+        total,
+        mem,
+        resident,
+        0.0,
+        1,
+        {"compute": compute, "tp": tp, "pp_bubble": bubble, "ep": ep, "dp": gather, "offload": offload},
+        host,
+    )
+
+
+def generation_weights_gb(m: ModelSpec, lay: Layout) -> float:
+    return 2.0 * params_per_device(m, lay).total / GB
+
+
+def kv_bytes_per_token_device(m: ModelSpec, lay: Layout) -> float:
+    split = 1 if m.is_mla else min(lay.tp, m.num_kv_heads)
+    return m.kv_bytes_per_token / split / lay.pp
+
+
+def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: float) -> PhaseCost | None:
+    """Time and memory of ``generate`` with ``lay`` when ``free_gb`` per device
+    is left for this phase (after co-located roles and the generation weights
+    are counted by the caller). None when not even one sequence fits."""
+    buf = FIXED_BUFFERS_GB[hw.kind]
+    kv_tok = kv_bytes_per_token_device(m, lay)
+    kv_seq = (d.prompt_len + d.response_len) * kv_tok
+    logits_seq = m.vocab_size * 4.0 / lay.tp  # fp32 logits of the sampling step, per sequence in the batch
+    free = free_gb * GB - buf * GB
+    if free < kv_seq + logits_seq:
+        return None
+    seqs = math.ceil(d.sequences * d.passes / lay.dp)
+    conc = int(free // (kv_seq + logits_seq))
+    waves = max(1, math.ceil(seqs / conc))
+    b = math.ceil(seqs / waves)
+    w_dev = generation_weights_gb(m, lay) * GB
+    mm = 2.0 * matmul_params(m) / lay.tp
+    # prefill: a compute-bound forward over the prompts of a wave
+    prefill_flops = forward_flops(m, b * d.prompt_len, d.prompt_len) / lay.tp
+    prefill = prefill_flops / (hw.peak * hw.eff.matmul * shape_efficiency(b * d.prompt_len, m.hidden_size / lay.tp))
+    if lay.tp > 1:
+        prefill += allreduce_time(b * d.prompt_len * m.hidden_size * 2.0, lay.tp, hw.link(lay.tp), hw.latency) * 2 * m.num_layers
+    # decode: R steps; each reads the weight shard and the KV cache (memory-bound) or is compute-bound
+    steps = d.response_len
+    active = b * d.mean_response_len / d.response_len  # mean active sequences over the steps
+    ctx = d.prompt_len + d.mean_response_len / 2.0
+    # the stages of a pipeline run one after the other within a step
+    mem_t = lay.pp * (w_dev + active * ctx * kv_tok) / (hw.hbm * hw.eff.decode_bw)
+    flops_t = active * (mm + attention_flops_per_token(m, ctx) / lay.tp) / (hw.peak * hw.eff.matmul)
+    floor = m.num_layers * hw.layer_overhead + (2 * m.num_layers * hw.latency if lay.tp > 1 else 0.0) + (lay.pp - 1) * hw.latency
+    if m.is_moe and lay.ep > 1:
+        floor += 2 * m.moe_layers * hw.latency
+    step = max(mem_t, flops_t) + floor
+    decode = steps * step
+    total = waves * (prefill + decode)
+    kv_used = min(b, conc) * kv_seq / GB
+    mem = _memory(weights=w_dev / GB, kv_cache=kv_used, activations=b * m.vocab_size * 4.0 / lay.tp / GB, buffers=buf)
+    detail = {"prefill": waves * prefill, "decode": waves * decode, "step_s": step, "concurrency": float(conc)}
+    return PhaseCost(total, mem, 0.0, 0.0, waves, detail)

@@ -1,0 +1,186 @@
+"""Why this plan: the runners-up with the reason each lost, and what decided
+each choice. Every sentence is computed from the cost tables — nothing here is
+canned."""
+
+from __future__ import annotations
+
+from flowc.ir.plan import Alternative
+from flowc.passes.manager import PlanContext
+from flowc.passes.options import UnitOption
+from flowc.passes.search import Candidate, SearchResult
+
+MAX_ALTERNATIVES = 8
+
+
+def describe(c: Candidate) -> str:
+    """``actor.train+actor.gen+critic on 96 | ref+rm on 32`` and the key layouts."""
+    pools = " | ".join(f"{'+'.join(b)} on {s}" for b, s in zip(c.partition, c.sizes, strict=True))
+    gens = []
+    for ch in c.choices:
+        for u, gc in ch.gens.items():
+            rs = f" via {gc.reshard.method}" if gc.reshard else ""
+            gens.append(f"{u} tp{gc.layout.tp}{f' pp{gc.layout.pp}' if gc.layout.pp > 1 else ''}{rs}")
+    return pools + (f" ({', '.join(gens)})" if gens else "")
+
+
+def _busy_by_pool(c: Candidate) -> list[float]:
+    return [ch.busy for ch in c.choices]
+
+
+def why_slower(alt: Candidate, best: Candidate) -> str:
+    """The main reason ``alt`` is slower than ``best``."""
+    pct = (alt.step / best.step - 1) * 100 if best.step > 0 else 0.0
+    head = f"{pct:.1f} % slower ({alt.step:.1f} s vs {best.step:.1f} s per step)"
+    if pct < 0.05:
+        return f"ties with the chosen plan ({alt.step:.2f} s per step); the first found is kept"
+    idle = [
+        (1 - b / alt.step if alt.step > 0 else 0.0, "+".join(p)) for b, p in zip(_busy_by_pool(alt), alt.partition, strict=True)
+    ]
+    worst_idle, pool = max(idle)
+    if len(alt.partition) > 1 and worst_idle >= 0.25:
+        return f"{head}: pool {pool} idle {worst_idle * 100:.0f} % of the step"
+    # otherwise the op whose time grew the most
+    best_times = {op: t for ch in best.choices for op, t in ch.op_times.items()}
+    grew = []
+    for ch in alt.choices:
+        for op, t in ch.op_times.items():
+            grew.append((t - best_times.get(op, t), op, t, best_times.get(op, t)))
+    if grew:
+        d, op, t, b = max(grew)
+        if d > 0:
+            return f"{head}: {op} takes {t:.1f} s instead of {b:.1f} s"
+    if len(alt.partition) == 1 and len(best.partition) > 1:
+        return f"{head}: all roles share every device, so nothing overlaps"
+    return head
+
+
+def alternatives(ctx: PlanContext, result: SearchResult) -> list[Alternative]:
+    best = result.ranked[0]
+    out: list[Alternative] = []
+    seen: set[str] = {describe(best)}
+
+    def add(cand: Candidate) -> None:
+        s = describe(cand)
+        if s not in seen:
+            seen.add(s)
+            out.append(
+                Alternative(
+                    summary=s, step_time_s=round(cand.step, 6), tokens_per_s=None, rejected_because=why_slower(cand, best)
+                )
+            )
+
+    # the best plan of every other co-location, fastest first; then other splits of the winning one
+    others = [c for p, c in sorted(result.per_partition.items(), key=lambda kv: kv[1].step) if p != best.partition]
+    for cand in others[: MAX_ALTERNATIVES // 2]:
+        add(cand)
+    for cand in [c for c in result.ranked[1:] if c.partition == best.partition]:
+        if len(out) >= MAX_ALTERNATIVES - 2:
+            break
+        add(cand)
+    # faster layouts that do not fit, on the winner's pools
+    table = ctx.state["options"]
+    for block, ch in zip(best.partition, best.choices, strict=True):
+        for u in block:
+            if table.units[u].generates:
+                continue
+            opts = table.options(u, ch.devices)
+            if opts.oom is not None and len(out) < MAX_ALTERNATIVES:
+                out.append(_oom_alternative(u, opts.oom, table.capacity_gb))
+    # co-locations that cannot work at all
+    for part, reason in result.infeasible.items():
+        if len(out) >= MAX_ALTERNATIVES + 2:
+            break
+        out.append(
+            Alternative(
+                summary=" | ".join("+".join(b) for b in part),
+                step_time_s=None,
+                tokens_per_s=None,
+                rejected_because=f"infeasible: {reason}",
+            )
+        )
+    return [a.model_copy(update={"tokens_per_s": None}) for a in out]
+
+
+def _oom_alternative(unit: str, o: UnitOption, cap: float) -> Alternative:
+    phase = "train" if "train" in o.layouts else "forward"
+    lay = o.layouts[phase]
+    role = unit.split(".")[0]
+    return Alternative(
+        summary=f"{unit} {lay.short()} mb{lay.micro_batch} ({lay.backend}) on {o.devices}",
+        step_time_s=None,
+        tokens_per_s=None,
+        rejected_because=f"OOM: needs {o.need_gb:.1f} GB of {cap:.1f} GB on {role}.{phase}",
+    )
+
+
+def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
+    """Sentences that explain the winner."""
+    best = result.ranked[0]
+    lines: list[str] = []
+    n_parts = len(result.per_partition) + len(result.infeasible)
+    lines.append(
+        f"Searched {n_parts} co-locations and {result.evaluated} device splits ({result.strategy}); "
+        f"{len(result.infeasible)} co-locations cannot fit."
+    )
+    lines.append(f"Chosen: {describe(best)} — {best.step:.2f} s per step.")
+    runner = next((c for p, c in sorted(result.per_partition.items(), key=lambda kv: kv[1].step) if p != best.partition), None)
+    if runner is not None:
+        lines.append(f"Next best co-location: {describe(runner)} — {why_slower(runner, best)}.")
+    # where the device time goes: device-seconds of each phase over all devices × the step
+    pools = plan_body["pools"]
+    sched = plan_body["schedule"]
+    step = plan_body["predicted"].step_time_s
+    size = {p.name: p.device_count for p in pools}
+    world = sum(size.values())
+    by_phase: dict[str, float] = {}
+    for e in sched:
+        if e.phase and e.pool in size:
+            by_phase[e.phase] = by_phase.get(e.phase, 0.0) + (e.end_s - e.start_s) * size[e.pool]
+    if step > 0 and by_phase and world:
+        shares = {k: v / (step * world) for k, v in by_phase.items()}
+        idle = max(0.0, 1 - sum(shares.values()))
+        parts = ", ".join(f"{k} {v * 100:.0f} %" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+        lines.append(f"Device time: {parts}, idle {idle * 100:.0f} %.")
+    for p in pools:
+        if len(pools) > 1:
+            lines.append(
+                f"Pool {p.name}: {p.device_count} devices, busy {p.busy_s:.1f} s, idle {p.idle_fraction * 100:.0f} % of the step."
+            )
+    # layout choices: what the fastest layout needed when it was not taken
+    table = ctx.state["options"]
+    for block, ch in zip(best.partition, best.choices, strict=True):
+        for u in block:
+            unit = table.units[u]
+            if unit.generates:
+                g = ch.gens[u]
+                waves = max(c.waves for c in g.op_costs.values())
+                lines.append(
+                    f"{u}: {g.layout.short()} — {g.layout.dp} replicas, {g.free_gb:.1f} GB per device left for the KV cache"
+                    + (f", {waves} waves" if waves > 1 else ", one wave")
+                    + (f"; weights reach it by {g.reshard.method} in {g.reshard.time:.2f} s" if g.reshard else "")
+                    + (
+                        f"; the co-located state ({ch.resident_gb:.1f} GB per device) sleeps in host memory while it generates (+{g.swap_s:.1f} s)"
+                        if g.swapped
+                        else ""
+                    )
+                    + "."
+                )
+                continue
+            o = ch.options[u]
+            lay = o.layouts.get("train") or o.layouts["forward"]
+            opts = table.options(u, ch.devices)
+            extra = ""
+            if opts.oom is not None:
+                o2 = opts.oom.layouts.get("train", opts.oom.layouts.get("forward"))
+                extra = f"; the faster {o2.short()} mb{o2.micro_batch} needs {opts.oom.need_gb:.1f} GB"
+            elif opts.front and opts.front[0] is not o:
+                f0 = opts.front[0].layouts.get("train", opts.front[0].layouts.get("forward"))
+                extra = f"; its fastest layout alone ({f0.short()} mb{f0.micro_batch}) leaves too little memory for the roles it shares devices with"
+            lines.append(f"{u}: {lay.short()} mb{lay.micro_batch} ({lay.backend}), {o.resident_gb:.1f} GB resident{extra}.")
+    for r in plan_body["reshards"]:
+        if (r.dst_phase == "generate" and r.method != "in_place") or r.bytes_per_device > 0:
+            lines.append(
+                f"Weight sync {r.role}: {r.method} over {r.link}, {r.bytes_per_device / 1e9:.2f} GB per device "
+                f"(lower bound {r.lower_bound_bytes / 1e9:.2f} GB), {r.time_s:.2f} s."
+            )
+    return lines

@@ -1,0 +1,289 @@
+"""Candidate layouts of each placement unit on a given number of devices.
+
+For a unit and a device count the enumerator tries every layout the backends
+support (degrees, FSDP sharding, activation checkpointing, offload,
+micro-batch), prices each with the cost model, and keeps the Pareto front of
+(resident memory, transient memory, time): the options worth trying when the
+unit shares devices with others. The fastest option that does not fit is kept
+too, to say why the planner did not take it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+
+from flowc.ir.models import ModelSpec
+from flowc.ir.plan import Layout
+from flowc.ir.workload import WorkloadSpec
+from flowc.passes.costs import GB, Hw, PhaseCost, forward_cost, generation_weights_gb, train_cost
+from flowc.passes.flops import Demand
+from flowc.passes.pins import Pins
+from flowc.passes.units import Unit
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+FRONT_LIMIT = 8
+
+
+@dataclass(frozen=True)
+class UnitOption:
+    """One way to run a unit on ``devices`` devices."""
+
+    unit: str
+    devices: int
+    layouts: dict[str, Layout]  # phase → layout
+    op_costs: dict[str, PhaseCost]  # node id → cost
+    resident_gb: float
+    transient_gb: float  # peak over the unit's phases, on top of the resident state
+    time: float
+    fits_alone: bool = True
+    need_gb: float = 0.0
+    host_gb: float = 0.0  # state offloaded to host memory, per device
+
+    @property
+    def op_times(self) -> dict[str, float]:
+        return {k: v.time for k, v in self.op_costs.items()}
+
+
+@dataclass
+class UnitOptions:
+    front: list[UnitOption]
+    oom: UnitOption | None = None  # fastest option that does not fit, if faster than the front
+    tried: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tp_choices(m: ModelSpec, d: int, hw: Hw) -> list[int]:
+    out = []
+    for tp in divisors(min(d, hw.node)):
+        if d % tp:
+            continue
+        if m.num_heads % tp:
+            continue
+        if m.num_kv_heads % tp and tp % m.num_kv_heads:
+            continue
+        out.append(tp)
+    return out
+
+
+_DEFAULTS = {k: f.default for k, f in Layout.model_fields.items()}
+
+
+def _layout(**kw) -> Layout:
+    """A Layout built without validation (the enumerator only makes valid ones)."""
+    return Layout.model_construct(**{**_DEFAULTS, **kw})
+
+
+def default_rollout_backend(kind: str) -> str:
+    """vLLM on GPUs; on CPUs vLLM when its CPU build is installed, else HF generate."""
+    if kind == "gpu":
+        return "vllm"
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+PP_LIMIT = 16  # deeper pipelines pay per-stage overheads the model does not price
+
+
+def pp_choices(n: int, layers: int) -> list[int]:
+    """Pipeline depths: divisors of ``n`` up to PP_LIMIT with at least 2 layers a stage."""
+    return [k for k in divisors(n) if k <= PP_LIMIT and (k == 1 or layers // k >= 2)]
+
+
+def _powers_dividing(n: int, limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= min(n, limit):
+        if n % k == 0:
+            out.append(k)
+        k *= 2
+    return out
+
+
+def pareto(options: list[UnitOption], limit: int = FRONT_LIMIT) -> list[UnitOption]:
+    """Options not beaten on all of (time, resident, transient), fastest first."""
+    ordered = sorted(options, key=lambda o: (o.time, o.resident_gb, o.transient_gb))
+    front: list[UnitOption] = []
+    for o in ordered:
+        if all(o.resident_gb < f.resident_gb - 1e-9 or o.transient_gb < f.transient_gb - 1e-9 for f in front):
+            front.append(o)
+    if len(front) > limit:  # keep the fastest, the leanest, and an even spread between
+        idx = sorted({round(i * (len(front) - 1) / (limit - 1)) for i in range(limit)})
+        front = [front[i] for i in idx]
+    return front
+
+
+class OptionTable:
+    """Memoised options of every unit at every device count."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        models: dict[str, ModelSpec],
+        demand: dict[str, Demand],
+        workload: WorkloadSpec,
+        hw: Hw,
+        pins: Pins,
+    ):
+        self.units = {u.name: u for u in units}
+        self.models = models
+        self.demand = demand
+        self.workload = workload
+        self.hw = hw
+        self.pins = pins
+        self.capacity_gb = hw.capacity / GB
+
+    # -------------------------------------------------------------- layouts
+    def _train_layouts(self, u: Unit, m: ModelSpec, d: int) -> list[Layout]:
+        pin = self.pins.phase(u.role, "train").merged(self.pins.phase(u.role, "forward"))
+        out: list[Layout] = []
+        long_ctx = self.demand[u.update_op or u.ops[-1]].seq_len >= 8192
+        gpu = self.hw.kind == "gpu"  # Megatron and offload need GPUs
+        offloads = ((False, False), (False, True), (True, True)) if gpu else ((False, False),)
+        mbs = (self.workload.train_micro_batch,) if self.workload.train_micro_batch else MICRO_BATCHES
+        for tp in tp_choices(m, d, self.hw):
+            rest = d // tp
+            for mb in mbs:
+                for ckpt in (False, True):
+                    # FSDP2 (+ optional DTensor TP): pp = cp = 1, no expert parallel
+                    for off_p, off_o in offloads:
+                        out.append(
+                            _layout(
+                                dp=rest,
+                                tp=tp,
+                                backend="fsdp2",
+                                fsdp=True,
+                                offload_params=off_p,
+                                offload_optimizer=off_o,
+                                activation_checkpointing=ckpt,
+                                micro_batch=mb,
+                            )
+                        )
+                    # Megatron-core: tp, pp, cp, ep with the distributed optimizer
+                    for pp in pp_choices(rest, m.num_layers) if gpu else ():
+                        for cp in _powers_dividing(rest // pp, 8 if long_ctx else 1):
+                            dp = rest // pp // cp
+                            # experts spread over tp·dp·cp ranks (expert tensor parallelism 1, as Megatron's MoE recipes)
+                            eps = [e for e in _powers_dividing(tp * dp * cp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
+                            for ep in eps:
+                                for off_o in (False, True):
+                                    out.append(
+                                        _layout(
+                                            dp=dp,
+                                            tp=tp,
+                                            pp=pp,
+                                            cp=cp,
+                                            ep=ep,
+                                            backend="megatron",
+                                            offload_optimizer=off_o,
+                                            activation_checkpointing=ckpt,
+                                            micro_batch=mb,
+                                        )
+                                    )
+        return [lay for lay in out if pin.allows(lay)]
+
+    def _forward_layouts(self, u: Unit, m: ModelSpec, d: int) -> list[Layout]:
+        pin = self.pins.phase(u.role, "forward")
+        out: list[Layout] = []
+        mbs = (self.workload.forward_micro_batch,) if self.workload.forward_micro_batch else MICRO_BATCHES
+        gpu = self.hw.kind == "gpu"
+        for tp in tp_choices(m, d, self.hw):
+            rest = d // tp
+            for mb in mbs:
+                for off in (False, True) if gpu else (False,):
+                    out.append(_layout(dp=rest, tp=tp, backend="fsdp2", fsdp=True, offload_params=off, micro_batch=mb))
+                for pp in pp_choices(rest, m.num_layers) if gpu else ():
+                    dp = rest // pp
+                    eps = [e for e in _powers_dividing(tp * dp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
+                    for ep in eps:
+                        for off in (False, True):  # offload: weights swapped in for the op, host memory between ops
+                            out.append(
+                                _layout(dp=dp, tp=tp, pp=pp, ep=ep, backend="megatron", offload_params=off, micro_batch=mb)
+                            )
+        return [lay for lay in out if pin.allows(lay)]
+
+    def generation_layouts(self, u: Unit, d: int) -> list[Layout]:
+        """Generation layouts whose weight shard fits a device."""
+        m = self.models[u.role]
+        pin = self.pins.phase(u.role, "generate")
+        backend = pin.backend or default_rollout_backend(self.hw.kind)
+        out: list[Layout] = []
+        for tp in tp_choices(m, d, self.hw):
+            for pp in _powers_dividing(d // tp, 16):
+                eps = [1, tp] if (m.is_moe and tp > 1) else [1]
+                for ep in eps:
+                    lay = _layout(dp=d // tp // pp, tp=tp, pp=pp, ep=ep, backend=backend)
+                    if pp > 1 and generation_weights_gb(m, lay.model_copy(update={"pp": 1})) < 0.5 * self.capacity_gb:
+                        continue  # pipeline generation only for models too large for one tp group
+                    if generation_weights_gb(m, lay) < self.capacity_gb and pin.allows(lay):
+                        out.append(lay)
+        return out
+
+    # -------------------------------------------------------------- options
+    @cache  # noqa: B019 - the table lives for one planning run
+    def options(self, unit: str, d: int) -> UnitOptions:
+        u = self.units[unit]
+        if u.generates:
+            return UnitOptions(front=[], tried=len(self.generation_layouts(u, d)))
+        m = self.models[u.role]
+        logits = u.kind in ("policy", "reference")
+        priced: list[UnitOption] = []
+        if u.trainable:
+            layouts = self._train_layouts(u, m, d)
+            for lay in layouts:
+                costs: dict[str, PhaseCost] = {}
+                for op, kind in zip(u.ops, u.kinds, strict=True):
+                    dem = self.demand[op]
+                    if kind == "update":
+                        costs[op] = train_cost(m, lay, dem, self.hw, logits=logits)
+                    else:
+                        costs[op] = forward_cost(m, lay, dem, self.hw, logits=logits, frozen=False)
+                train = costs[u.update_op]
+                resident = train.resident_gb
+                transient = max(c.memory.total - c.resident_gb for c in costs.values())
+                lays = {"train": lay, "forward": lay}
+                priced.append(self._option(u, d, lays, costs, resident, transient))
+        else:
+            layouts = self._forward_layouts(u, m, d)
+            for lay in layouts:
+                costs = {op: forward_cost(m, lay, self.demand[op], self.hw, logits=logits, frozen=True) for op in u.ops}
+                resident = max(c.resident_gb for c in costs.values())
+                transient = max(c.memory.total - c.resident_gb for c in costs.values())
+                priced.append(self._option(u, d, {"forward": lay}, costs, resident, transient))
+        fits = [o for o in priced if o.fits_alone]
+        front = pareto(fits)
+        over = [o for o in priced if not o.fits_alone]
+        oom = None
+        if over and not fits:
+            oom = min(over, key=self.shortfall)  # nothing fits: the nearest miss shows the shortfall
+        elif over:
+            faster = [o for o in over if o.time < front[0].time]
+            if faster:  # the nearest miss among the layouts that would have been faster
+                oom = min(faster, key=lambda o: (o.need_gb, o.time))
+        return UnitOptions(front=front, oom=oom, tried=len(priced))
+
+    def shortfall(self, o: UnitOption) -> float:
+        """How far an option is from fitting (GB over device or host capacity)."""
+        return max(o.need_gb - self.capacity_gb, o.host_gb - self.hw.host_per_device_gb)
+
+    def _option(
+        self, u: Unit, d: int, lays: dict[str, Layout], costs: dict[str, PhaseCost], resident: float, transient: float
+    ) -> UnitOption:
+        need = resident + transient
+        host = max(c.host_gb for c in costs.values())
+        return UnitOption(
+            unit=u.name,
+            devices=d,
+            layouts=lays,
+            op_costs=costs,
+            resident_gb=resident,
+            transient_gb=transient,
+            time=sum(c.time for c in costs.values()),
+            fits_alone=need <= self.capacity_gb and host <= self.hw.host_per_device_gb + 1e-9,
+            need_gb=need,
+            host_gb=host,
+        )

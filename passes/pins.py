@@ -1,0 +1,177 @@
+"""Pins: the parts of a plan a user fixes; the search fills in the rest.
+
+From the command line, ``--pin ROLE.PHASE.FIELD=VALUE`` (``actor.generate.tp=2``,
+``critic.train.backend=megatron``, ``ref.forward.devices=8``),
+``--pin colocate=actor,critic;ref,rm`` (which roles share devices; a policy's
+generation is ``actor.gen`` when it should get its own devices) and
+``--pin reshard.actor=p2p``. Or a YAML plan fragment::
+
+    roles:
+      actor:
+        generate: {tp: 2}
+        train: {backend: megatron, pp: 2}
+    colocate: [[actor.train, critic], [actor.gen], [ref, rm]]
+    reshard: {actor: micro_dp_allgather}
+
+A saved plan is a complete set of pins (:func:`pins_from_plan`), so re-planning
+with ``--plan saved.json`` reproduces it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flowc.errors import SpecError
+from flowc.ir.plan import PHASES, Backend, Layout, Plan, ReshardMethod
+
+
+class PhasePin(BaseModel):
+    """Fixed fields of one role's phase; None leaves a field to the search."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dp: int | None = Field(None, ge=1)
+    tp: int | None = Field(None, ge=1)
+    pp: int | None = Field(None, ge=1)
+    cp: int | None = Field(None, ge=1)
+    ep: int | None = Field(None, ge=1)
+    backend: Backend | None = None
+    fsdp: bool | None = None
+    offload_params: bool | None = None
+    offload_optimizer: bool | None = None
+    activation_checkpointing: bool | None = None
+    micro_batch: int | None = Field(None, ge=1)
+    devices: int | None = Field(None, ge=1)
+
+    def layout_fields(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None and k != "devices"}
+
+    def allows(self, lay: Layout) -> bool:
+        return all(getattr(lay, k) == v for k, v in self.layout_fields().items())
+
+    def merged(self, other: PhasePin) -> PhasePin:
+        a, b = self.model_dump(), other.model_dump()
+        for k, v in b.items():
+            if v is None:
+                continue
+            if a[k] is not None and a[k] != v:
+                raise SpecError(f"conflicting pins for {k}: {a[k]} and {v}")
+            a[k] = v
+        return PhasePin(**a)
+
+
+class Pins(BaseModel):
+    """Everything a user can fix. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    roles: dict[str, dict[str, PhasePin]] = {}
+    colocate: list[list[str]] | None = None
+    reshard: dict[str, ReshardMethod] = {}
+
+    def phase(self, role: str, phase: str) -> PhasePin:
+        return self.roles.get(role, {}).get(phase, PhasePin())
+
+    def is_empty(self) -> bool:
+        return not self.roles and self.colocate is None and not self.reshard
+
+    def merged(self, other: Pins) -> Pins:
+        roles: dict[str, dict[str, PhasePin]] = {r: dict(p) for r, p in self.roles.items()}
+        for r, phases in other.roles.items():
+            for ph, pin in phases.items():
+                roles.setdefault(r, {})
+                roles[r][ph] = roles[r][ph].merged(pin) if ph in roles[r] else pin
+        return Pins(
+            roles=roles,
+            colocate=other.colocate if other.colocate is not None else self.colocate,
+            reshard={**self.reshard, **other.reshard},
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return self.model_dump(exclude_defaults=True)
+
+
+_FIELDS = tuple(PhasePin.model_fields)
+
+
+def _value(raw: str) -> Any:
+    low = raw.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    try:
+        return int(raw)
+    except ValueError:
+        return raw.strip()
+
+
+def parse_pin(text: str) -> Pins:
+    """One ``--pin`` word."""
+    if "=" not in text:
+        raise SpecError(
+            f"pin {text!r} is not KEY=VALUE", fix="e.g. --pin actor.generate.tp=2 or --pin colocate=actor,critic;ref,rm"
+        )
+    key, raw = (s.strip() for s in text.split("=", 1))
+    if key == "colocate":
+        groups = [[u.strip() for u in g.split(",") if u.strip()] for g in raw.split(";") if g.strip()]
+        return Pins(colocate=groups)
+    parts = key.split(".")
+    if parts[0] == "reshard" and len(parts) == 2:
+        try:
+            return Pins(reshard={parts[1]: raw})
+        except ValidationError as e:
+            raise SpecError(f"pin {text!r}: {e.errors()[0]['msg']}") from e
+    if len(parts) != 3:
+        raise SpecError(
+            f"pin {text!r} is not ROLE.PHASE.FIELD=VALUE",
+            fix=f"phases: {', '.join(PHASES)}; fields: {', '.join(_FIELDS)}",
+        )
+    role, phase, field = parts
+    if phase not in PHASES:
+        raise SpecError(f"pin {text!r}: unknown phase {phase!r}", fix=f"phases: {', '.join(PHASES)}")
+    if field not in _FIELDS:
+        import difflib
+
+        close = difflib.get_close_matches(field, _FIELDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise SpecError(f"pin {text!r}: unknown field {field!r}{hint}", fix=f"fields: {', '.join(_FIELDS)}")
+    try:
+        return Pins(roles={role: {phase: PhasePin(**{field: _value(raw)})}})
+    except ValidationError as e:
+        raise SpecError(f"pin {text!r}: {e.errors()[0]['msg']}") from e
+
+
+def load_pins_yaml(path: str | Path) -> Pins:
+    """A YAML plan fragment (see the module docstring)."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+        return Pins.model_validate(data)
+    except OSError as e:
+        raise SpecError(f"cannot read pin file {p}: {e}") from e
+    except (yaml.YAMLError, ValidationError) as e:
+        raise SpecError(f"pin file {p} is not a valid plan fragment: {e}", fix="keys: roles, colocate, reshard") from e
+
+
+def parse_pins(words: list[str] | None, files: list[str] | None = None) -> Pins:
+    pins = Pins()
+    for f in files or []:
+        pins = pins.merged(load_pins_yaml(f))
+    for w in words or []:
+        pins = pins.merged(parse_pin(w))
+    return pins
+
+
+def pins_from_plan(plan: Plan) -> Pins:
+    """Every decision of a saved plan as pins: re-planning reproduces it."""
+    roles: dict[str, dict[str, PhasePin]] = {}
+    for name, rp in plan.roles.items():
+        for ph, pp in rp.phases.items():
+            lay = pp.layout
+            roles.setdefault(name, {})[ph] = PhasePin(**lay.model_dump(), devices=pp.device_count)
+    colocate = [list(p.units) for p in plan.pools]
+    reshard = {r.role: r.method for r in plan.reshards if r.dst_phase == "generate"}
+    return Pins(roles=roles, colocate=colocate, reshard=reshard)

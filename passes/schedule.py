@@ -1,0 +1,109 @@
+"""One iteration's timeline: list scheduling of the ops over the pools.
+
+Ops of one pool run one after another in graph order; ops on different pools
+overlap whenever the data allows. Controller ops (``compute``, ``reward``,
+``input``) take no device time; data crossing pools pays its transfer time.
+After the last update of a policy its weights move to the generation layout
+(``weight_sync``): on the pool itself when co-located, on both pools' links
+when not. The step time is when everything, the sync included, is done — the
+next iteration's ``generate`` needs the new weights.
+
+:func:`simulate` works on numpy arrays so the search can evaluate many device
+splits at once: every time is an array over candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowc.ir.graph import FlowGraph
+from flowc.ir.ops import MODEL_OPS
+from flowc.ir.types import nbytes
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """A node as the scheduler sees it."""
+
+    id: str
+    pool: int | None  # None: runs on the controller
+    deps: tuple[tuple[str, float], ...]  # (producer, bytes moved)
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """A weight sync after ``after`` (an update), occupying ``pools``."""
+
+    id: str
+    after: str
+    pools: tuple[int, ...]
+
+
+def op_specs(g: FlowGraph, unit_of_op: dict[str, str], pool_of_unit: dict[str, int], env: dict[str, int]) -> list[OpSpec]:
+    out = []
+    for n in g.nodes:
+        pool = pool_of_unit[unit_of_op[n.id]] if n.op in MODEL_OPS else None
+        deps: dict[str, float] = {}
+        for e in g.inputs(n.id):
+            deps[e.src] = deps.get(e.src, 0.0) + float(nbytes(e.type, env))
+        out.append(OpSpec(n.id, pool, tuple(sorted(deps.items()))))
+    return out
+
+
+def simulate(
+    ops: list[OpSpec],
+    syncs: list[SyncSpec],
+    times: dict[str, np.ndarray],
+    sync_times: dict[str, np.ndarray],
+    pool_sizes: list[np.ndarray],
+    per_device_bw: float,
+    controller_bw: float,
+    *,
+    record: bool = False,
+) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
+    """Finish time of the step for every candidate (and, with ``record``,
+    start/end of every op and sync). ``times`` holds per-op durations;
+    ``pool_sizes[i]`` the device count of pool i per candidate."""
+    n = len(next(iter(pool_sizes))) if pool_sizes else 1
+    free = [np.zeros(n) for _ in pool_sizes]
+    busy = [np.zeros(n) for _ in pool_sizes]
+    finish: dict[str, np.ndarray] = {}
+    spans: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    pool_of = {o.id: o.pool for o in ops}
+    for o in ops:
+        start = np.zeros(n)
+        for src, b in o.deps:
+            ready = finish[src]
+            sp, dp = pool_of[src], o.pool
+            if b > 0 and sp != dp:
+                if sp is None or dp is None:
+                    ready = ready + b / controller_bw
+                else:
+                    ready = ready + b / (np.minimum(pool_sizes[sp], pool_sizes[dp]) * per_device_bw)
+            start = np.maximum(start, ready)
+        dur = times.get(o.id)
+        if o.pool is not None:
+            start = np.maximum(start, free[o.pool])
+            end = start + dur
+            free[o.pool] = end
+            busy[o.pool] = busy[o.pool] + dur
+        else:
+            end = start + (dur if dur is not None else 0.0)
+        finish[o.id] = end
+        if record:
+            spans[o.id] = (start, end)
+    step = np.max(np.stack(list(finish.values())), axis=0) if finish else np.zeros(n)
+    for s in syncs:
+        start = finish[s.after]
+        for p in s.pools:
+            start = np.maximum(start, free[p])
+        end = start + sync_times[s.id]
+        for p in s.pools:
+            free[p] = end
+            busy[p] = busy[p] + sync_times[s.id]
+        step = np.maximum(step, end)
+        if record:
+            spans[s.id] = (start, end)
+    return step, spans, busy

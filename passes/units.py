@@ -1,0 +1,119 @@
+"""Placement units: the groups of model ops that are placed together.
+
+A trainable role's ``update`` and its forward ops share one training engine
+(one unit, ``actor.train``); a policy's ``generate`` ops form a second unit
+(``actor.gen``) that the planner may put on the same devices (co-located, the
+HybridFlow hybrid engine) or on devices of its own (disaggregated, with a
+cross-pool weight sync). Frozen roles (reference, reward model) are one
+forward unit each. ``Reward`` functions and ``compute`` nodes run on the
+controller and are not placed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flowc.errors import PlanError
+from flowc.ir.graph import FlowGraph
+from flowc.ir.models import ModelSpec
+from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP
+from flowc.ir.workload import WorkloadSpec
+from flowc.passes.flops import Demand
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A group of ops of one role placed on one device pool.
+
+    Attributes:
+        name: ``actor.train``, ``actor.gen``, ``critic``, ``ref``, ``rm``.
+        role: the role name.
+        kind: the role kind (policy, critic, reference, reward_model).
+        phases: the phases it runs (train, forward, generate).
+        ops: node ids of its ops, in graph order.
+    """
+
+    name: str
+    role: str
+    kind: str
+    phases: tuple[str, ...]
+    ops: tuple[str, ...]
+    kinds: tuple[str, ...] = ()  # the op of each entry of ops
+
+    @property
+    def update_op(self) -> str | None:
+        ups = [o for o, k in zip(self.ops, self.kinds, strict=True) if k == "update"]
+        return ups[-1] if ups else None
+
+    @property
+    def trainable(self) -> bool:
+        return "train" in self.phases
+
+    @property
+    def generates(self) -> bool:
+        return self.phases == ("generate",)
+
+
+def units_of(g: FlowGraph) -> list[Unit]:
+    """The placement units of a graph, in a deterministic order."""
+    out: list[Unit] = []
+    for role in g.roles.values():
+        ops = [n for n in g.nodes if n.role == role.name and n.op in MODEL_OPS]
+        if not ops:
+            continue
+        gen = tuple(n.id for n in ops if n.op == "generate")
+        rest = tuple(n.id for n in ops if n.op != "generate")
+        rest_kinds = tuple(n.op for n in ops if n.op != "generate")
+        phases = tuple(sorted({PHASE_OF_OP[n.op] for n in ops if n.op != "generate"}, key=("train", "forward").index))
+        if rest:
+            name = f"{role.name}.train" if (gen and "train" in phases) else role.name
+            out.append(Unit(name, role.name, role.kind, phases, rest, rest_kinds))
+        if gen:
+            out.append(Unit(f"{role.name}.gen", role.name, role.kind, ("generate",), gen, ("generate",) * len(gen)))
+    return out
+
+
+def demands(g: FlowGraph, w: WorkloadSpec) -> dict[str, Demand]:
+    """The work of each model op of one iteration, by node id."""
+    out: dict[str, Demand] = {}
+    updates = w.mini_batches * w.epochs
+    for n in g.nodes:
+        if n.op not in MODEL_OPS:
+            continue
+        batch = _batch_of(g, n.id)
+        seqs = batch * w.prompts
+        mean_r = w.avg_response_len
+        resp = w.response_len
+        if n.op == "generate":
+            max_tokens = n.kwargs.get("max_tokens")
+            if max_tokens is not None:
+                resp = min(resp, int(max_tokens))
+                mean_r = min(mean_r, float(resp))
+            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r)
+        elif n.op == "update":
+            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, passes=w.epochs, updates=updates)
+        else:
+            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r)
+    return out
+
+
+def _batch_of(g: FlowGraph, node_id: str) -> int:
+    """Sequences per prompt that an op processes (the n of its rollout)."""
+    from flowc.ir.shapes import eval_dim
+    from flowc.ir.types import BundleType
+
+    n = g[node_id]
+    t = n.type if n.op == "generate" else None
+    if t is None:
+        ref = n.args[0]
+        t = g[ref.node].type
+    if not isinstance(t, BundleType):
+        raise PlanError(f"op {node_id} does not read a rollout")
+    return eval_dim(t.batch, {"B": 1, **g.symbols})
+
+
+def model_of(models: dict[str, ModelSpec], role: str) -> ModelSpec:
+    try:
+        return models[role]
+    except KeyError:
+        raise PlanError(f"no model given for role {role!r}", fix=f"pass --model {role}=NAME") from None

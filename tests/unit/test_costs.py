@@ -1,0 +1,114 @@
+"""The cost model against numbers computed by hand, and its qualitative laws."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowc.ir.cluster import ClusterSpec
+from flowc.ir.models import ModelSpec
+from flowc.ir.plan import Layout
+from flowc.passes.costs import Hw, forward_cost, generate_cost, params_per_device, train_cost, train_state_gb
+from flowc.passes.flops import Demand, forward_flops, matmul_params, train_flops
+
+Q7 = ModelSpec.resolve("qwen2.5-7b")
+MOE = ModelSpec.resolve("qwen3-30b-a3b")
+H100 = Hw.of(ClusterSpec.parse("2x8xH100"))
+
+
+def test_qwen7b_flops_by_hand():
+    total = 7_615_616_512  # the catalogue's count (checked against the model card in test_specs)
+    assert Q7.params_total == total
+    mm = total - 152064 * 3584  # the input embedding is a lookup
+    assert matmul_params(Q7) == mm
+    tokens, seq = 1000, 2048
+    # causal attention: each token attends to seq/2 keys on average; QK and AV, 28 heads of 128, 28 layers
+    attn = 2 * (seq / 2) * 28 * (128 + 128) * 28
+    assert forward_flops(Q7, tokens, seq) == pytest.approx(tokens * (2 * mm + attn))
+    assert train_flops(Q7, tokens, seq) == pytest.approx(3 * tokens * (2 * mm + attn))
+    assert train_flops(Q7, tokens, seq, recompute=True) == pytest.approx(4 * tokens * (2 * mm + attn))
+
+
+def test_qwen3_moe_flops_count_active_params_only():
+    active = MOE.params_active
+    mm = active - 151936 * 2048
+    attn = 2 * 512 * 32 * (128 + 128) * 48
+    assert forward_flops(MOE, 10, 1024) == pytest.approx(10 * (2 * mm + attn))
+    assert active < MOE.params_total / 9  # ~3.3B of ~30.5B
+
+
+def test_qwen7b_training_memory_by_hand():
+    p = 7_615_616_512
+    mega = Layout(dp=2, tp=2, pp=2, backend="megatron")
+    w, g, o = train_state_gb(Q7, mega)
+    assert w == pytest.approx(2 * p / 4 / 1e9)  # bf16 params over tp·pp
+    assert g == pytest.approx(4 * p / 4 / 1e9)  # fp32 grad buffer over tp·pp
+    assert o == pytest.approx(12 * p / 4 / 2 / 1e9)  # fp32 master + Adam m, v over tp·pp and dp
+    fsdp = Layout(dp=8, tp=1, backend="fsdp2", fsdp=True)
+    w, g, o = train_state_gb(Q7, fsdp)
+    assert (w, g, o) == pytest.approx((4 * p / 8 / 1e9, 4 * p / 8 / 1e9, 8 * p / 8 / 1e9))
+    w, g, o = train_state_gb(Q7, fsdp.model_copy(update={"offload_optimizer": True}))
+    assert o == 0.0 and w > 0
+    assert train_state_gb(Q7, fsdp.model_copy(update={"offload_params": True, "offload_optimizer": True})) == (0.0, 0.0, 0.0)
+
+
+def test_qwen3_moe_expert_parallel_memory_by_hand():
+    experts = 48 * 128 * 3 * 2048 * 768
+    dense = MOE.params_total - experts
+    lay = Layout(dp=4, tp=1, pp=2, ep=4, backend="megatron")
+    split = params_per_device(MOE, lay)
+    assert split.dense == pytest.approx(dense / 2)
+    assert split.expert == pytest.approx(experts / (4 * 2))
+    w, _, o = train_state_gb(MOE, lay)
+    assert w == pytest.approx(2 * (dense / 2 + experts / 8) / 1e9)
+    # distributed optimizer: dense part over dp (4), experts over the expert-data-parallel group (dp/ep = 1)
+    assert o == pytest.approx(12 * (dense / 2 / 4 + experts / 8 / 1) / 1e9)
+
+
+def test_kv_cache_and_generation_waves():
+    assert Q7.kv_bytes_per_token == 2 * 4 * 128 * 28 * 2
+    lay = Layout(dp=1, tp=1, backend="vllm")
+    d = Demand(sequences=512, prompt_len=1024, response_len=1024, mean_response_len=1024)
+    roomy = generate_cost(Q7, lay, d, H100, free_gb=60.0)
+    tight = generate_cost(Q7, lay, d, H100, free_gb=8.0)
+    per_seq = 2048 * Q7.kv_bytes_per_token
+    assert roomy.waves == -(-512 // int((60.0 - 1.0) * 1e9 // per_seq))
+    assert tight.waves > roomy.waves and tight.time > roomy.time
+    assert generate_cost(Q7, lay, d, H100, free_gb=1.05) is None  # not even one sequence fits
+
+
+def test_decode_has_a_latency_floor():
+    lay = Layout(dp=1, tp=1, backend="vllm")
+    one = generate_cost(Q7, lay, Demand(1, 16, 256, 256), H100, free_gb=60.0)
+    # one sequence: every step still reads all the weights — the step time is at least weights / bandwidth
+    weights = 2 * Q7.params_total
+    assert one.detail["step_s"] >= weights / (H100.hbm * H100.eff.decode_bw)
+
+
+def test_more_devices_train_faster_and_tp_pays_communication():
+    d = Demand(sequences=256, prompt_len=512, response_len=512, mean_response_len=512, updates=4)
+    t4 = train_cost(Q7, Layout(dp=4, backend="fsdp2", fsdp=True), d, H100, logits=True).time
+    t8 = train_cost(Q7, Layout(dp=8, backend="fsdp2", fsdp=True), d, H100, logits=True).time
+    assert t8 < t4
+    # FSDP across nodes gathers the parameters over the network every micro-batch: bigger micro-batches pay it less often
+    mb1 = train_cost(Q7, Layout(dp=16, backend="fsdp2", fsdp=True, micro_batch=1), d, H100, logits=True).detail["dp"]
+    mb4 = train_cost(Q7, Layout(dp=16, backend="fsdp2", fsdp=True, micro_batch=4), d, H100, logits=True).detail["dp"]
+    assert mb4 < mb1
+    tp1 = train_cost(Q7, Layout(dp=8, tp=1, backend="megatron"), d, H100, logits=True)
+    tp4 = train_cost(Q7, Layout(dp=2, tp=4, backend="megatron"), d, H100, logits=True)
+    assert tp1.detail["tp"] == 0 and tp4.detail["tp"] > 0
+    # pipeline bubbles shrink as the micro-batch count grows
+    pp_small = train_cost(Q7, Layout(dp=2, pp=4, backend="megatron", micro_batch=16), d, H100, logits=True)
+    pp_many = train_cost(Q7, Layout(dp=2, pp=4, backend="megatron", micro_batch=1), d, H100, logits=True)
+    assert pp_small.detail["pp_bubble"] > pp_many.detail["pp_bubble"]
+    # the gradient all-reduce crosses nodes once the data-parallel group leaves one
+    one_node = train_cost(Q7, Layout(dp=8, backend="megatron"), d, H100, logits=True).detail["dp"]
+    two_nodes = train_cost(Q7, Layout(dp=16, backend="megatron"), d, H100, logits=True).detail["dp"]
+    assert two_nodes > one_node
+
+
+def test_forward_of_a_frozen_role_keeps_its_weights_resident():
+    d = Demand(sequences=64, prompt_len=512, response_len=512, mean_response_len=512)
+    c = forward_cost(Q7, Layout(dp=4, tp=2, backend="megatron"), d, H100, logits=True, frozen=True)
+    assert c.resident_gb == pytest.approx(2 * Q7.params_total / 2 / 1e9)
+    off = forward_cost(Q7, Layout(dp=8, backend="fsdp2", fsdp=True, offload_params=True), d, H100, logits=True, frozen=True)
+    assert off.resident_gb == 0.0 and off.host_gb > 0

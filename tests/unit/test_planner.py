@@ -1,0 +1,257 @@
+"""`flowc plan` and `flowc export`: fields, explanations, pins, saved plans,
+impossible requests, golden text and the HTML page in a real browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers import EXAMPLES, ROOT, check_golden
+
+from flowc.errors import InfeasibleError, SpecError
+from flowc.ir.cluster import ClusterSpec
+from flowc.ir.plan import Plan
+from flowc.ir.plan_text import format_plan
+from flowc.ir.plan_verify import verify_plan
+from flowc.ir.workload import WorkloadSpec
+from flowc.loader import load_flow
+from flowc.passes.pins import Pins, parse_pin, parse_pins
+from flowc.passes.pipeline import make_plan
+from flowc.planning import resolve_models
+
+
+def flowc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flowc.cli", *args], capture_output=True, text=True, check=check, cwd=ROOT)
+
+
+def plan_of(flow: str, model: str, cluster: str, workload: WorkloadSpec | None = None, pins: Pins | None = None):
+    g = load_flow(str(EXAMPLES / f"{flow}.py")).trace()
+    models, _ = resolve_models(g, {"actor": model})
+    return make_plan(g, models, ClusterSpec.parse(cluster), workload or WorkloadSpec(), pins)
+
+
+def test_plan_json_has_every_field():
+    r = flowc("plan", "examples/ppo.py", "--model", "actor=llama-3.1-70b", "--cluster", "16x8xH100", "--json")
+    d = json.loads(r.stdout)
+    assert d["schema_version"] == 1
+    assert {"step_time_s", "tokens_per_s"} <= set(d["predicted"])
+    assert d["cluster"]["world_size"] == 128
+    for role in ("actor", "critic", "ref", "rm"):
+        rp = d["roles"][role]
+        assert rp["model"] == "llama-3.1-70b" and rp["params_b"] == pytest.approx(70.55, abs=0.01)
+        for ph in rp["phases"].values():
+            assert {"pool", "device_count", "dp", "tp", "pp", "cp", "ep", "memory_gb_per_device", "time_s"} <= set(ph)
+            assert ph["dp"] * ph["tp"] * ph["pp"] * ph["cp"] == ph["device_count"]
+    assert set(d["roles"]["actor"]["phases"]) == {"train", "forward", "generate"}
+    for p in d["pools"]:
+        assert {"name", "device_count", "roles"} <= set(p)
+    assert sum(p["device_count"] for p in d["pools"]) == 128
+    for rs in d["reshards"]:
+        assert {"role", "method", "bytes_per_device", "time_s"} <= set(rs)
+    assert d["alternatives"] and all({"summary", "step_time_s", "rejected_because"} <= set(a) for a in d["alternatives"])
+    verify_plan(Plan.model_validate(d))
+
+
+def test_plan_text_explains_itself():
+    r = flowc("plan", "examples/ppo.py", "--model", "actor=llama-3.1-70b", "--cluster", "16x8xH100")
+    out = r.stdout
+    for section in ("predicted:", "pools", "roles (memory per device, GB)", "reshards", "schedule", "why", "alternatives"):
+        assert section in out
+    assert "slower" in out and "OOM: needs" in out
+    assert "tokens/s" in out and "tokens/s/device" in out
+    assert "planned in" in r.stderr
+
+
+def test_hyperparameter_override_and_workload_reach_the_plan():
+    plan, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", WorkloadSpec.parse("prompts=64,prompt_len=256,response_len=512"))
+    assert plan.predicted.tokens_per_step == 64 * 8 * (256 + 512)
+    r = flowc(
+        "plan",
+        "examples/grpo.py",
+        "n=4",
+        "--model",
+        "actor=qwen2.5-7b",
+        "--cluster",
+        "8xH100",
+        "--workload",
+        "prompts=64,prompt_len=256,response_len=512",
+        "--json",
+    )
+    assert json.loads(r.stdout)["predicted"]["tokens_per_step"] == 64 * 4 * (256 + 512)
+
+
+def test_pins_are_respected():
+    pins = parse_pins(["actor.generate.tp=2", "colocate=actor;ref"])
+    plan, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", pins=pins)
+    assert plan.roles["actor"].phases["generate"].tp == 2
+    assert sorted(p.name for p in plan.pools) == ["actor.train+actor.gen", "ref"]
+    plan, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", pins=parse_pins(["actor.train.backend=megatron", "actor.train.pp=2"]))
+    assert plan.roles["actor"].phases["train"].layout.backend == "megatron" and plan.roles["actor"].phases["train"].pp == 2
+
+
+def test_pin_errors_name_the_problem():
+    with pytest.raises(SpecError, match=r"unknown field 'tpp'.*did you mean 'tp'"):
+        parse_pin("actor.generate.tpp=2")
+    with pytest.raises(SpecError, match="unknown phase"):
+        parse_pin("actor.gen.tp=2")
+    with pytest.raises(SpecError, match="does not have"):
+        plan_of("grpo", "qwen2.5-7b", "1x8xH100", pins=parse_pins(["actr.generate.tp=2"]))
+    with pytest.raises(InfeasibleError, match=r"actor\.gen: no generation layout with tp=2 fits 3 devices") as info:
+        plan_of("grpo", "qwen2.5-7b", "1x8xH100", pins=parse_pins(["actor.generate.devices=3", "actor.generate.tp=2"]))
+    assert "pins" in info.value.fix
+
+
+def test_yaml_fragment_pins(tmp_path):
+    f = tmp_path / "pins.yaml"
+    f.write_text("roles:\n  actor:\n    generate: {tp: 4}\ncolocate: [[actor.train, ref], [actor.gen]]\n")
+    r = flowc("plan", "examples/grpo.py", "--model", "actor=qwen2.5-7b", "--cluster", "8xH100", "--pin", str(f), "--json")
+    d = json.loads(r.stdout)
+    assert d["roles"]["actor"]["phases"]["generate"]["tp"] == 4
+    assert sorted(p["name"] for p in d["pools"]) == ["actor.gen", "actor.train+ref"]
+    assert any(rs["method"] in ("p2p", "broadcast") for rs in d["reshards"])
+
+
+def test_saved_plan_round_trips(tmp_path):
+    out = tmp_path / "plan.json"
+    flowc("plan", "examples/ppo.py", "--model", "actor=llama-3.1-70b", "--cluster", "16x8xA100", "--out", str(out))
+    saved = out.read_text()
+    assert Plan.from_json(saved).to_json() + "\n" == saved
+    again = flowc("plan", "examples/ppo.py", "--plan", str(out), "--json").stdout
+    assert json.loads(again) == json.loads(saved)
+
+
+def test_impossible_request_says_what_and_what_would_fit():
+    with pytest.raises(InfeasibleError) as info:
+        plan_of("ppo", "llama-3.1-405b", "1x8xA100")
+    e = info.value
+    assert "actor.train" in e.what and "actor.gen" in e.what and "GB" in e.what
+    assert "--cluster" in e.fix
+    r = flowc(
+        "plan",
+        "examples/ppo.py",
+        "--model",
+        "actor=llama-3.1-70b",
+        "--cluster",
+        "1x8xA100",
+        "--workload",
+        "response_len=8192",
+        check=False,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "does not fit" in r.stderr or "no co-location fits" in r.stderr
+    assert "fix:" in r.stderr
+
+
+def test_models_default_sensibly():
+    g = load_flow(str(EXAMPLES / "ppo.py")).trace()
+    models, notes = resolve_models(g, {"actor": "qwen2.5-7b", "rm": "qwen2.5-1.5b"})
+    assert models["ref"].name == "qwen2.5-7b" and models["critic"].name == "qwen2.5-7b" and models["rm"].name == "qwen2.5-1.5b"
+    assert any("ref" in n for n in notes)
+    with pytest.raises(SpecError, match="no model given for policy role 'actor'"):
+        resolve_models(g, {"critic": "qwen2.5-7b"})
+    with pytest.raises(SpecError, match="did you mean 'actor'"):
+        resolve_models(g, {"actr": "qwen2.5-7b"})
+
+
+def test_moe_and_huge_models_use_expert_and_pipeline_parallelism():
+    plan, _, _ = plan_of("grpo", "qwen3-30b-a3b", "2x8xH100")
+    train = plan.roles["actor"].phases["train"]
+    assert train.layout.backend == "megatron" or train.layout.fsdp
+    plan, _, _ = plan_of("grpo", "deepseek-v3", "12x8xH800", WorkloadSpec(prompts=256, prompt_len=1024, response_len=2048))
+    train = plan.roles["actor"].phases["train"]
+    assert train.layout.backend == "megatron" and (train.pp > 1 or train.ep > 1)
+    assert plan.roles["actor"].active_params_b < plan.roles["actor"].params_b / 10
+
+
+GOLDEN = [
+    ("grpo", "qwen2.5-7b", "1x8xH100", "prompts=256,prompt_len=512,response_len=1024"),
+    ("ppo", "llama-3.1-70b", "16x8xA100", "prompts=1024,prompt_len=1024,response_len=1024"),
+    ("rloo", "qwen2.5-1.5b", "1x4xA100", "prompts=128,prompt_len=256,response_len=512"),
+    ("remax", "flowc-tiny", "1x2xcpu", "prompts=16,prompt_len=8,response_len=8"),
+]
+
+
+@pytest.mark.parametrize("flow,model,cluster,workload", GOLDEN)
+def test_golden_plans(flow, model, cluster, workload):
+    plan, _, _ = plan_of(flow, model, cluster, WorkloadSpec.parse(workload))
+    verify_plan(plan)
+    check_golden(f"{flow}.plan.txt", format_plan(plan))
+
+
+def test_export_formats(tmp_path):
+    dot = flowc("export", "examples/ppo.py", "--model", "actor=llama-3.1-70b", "--cluster", "16x8xA100", "--format", "dot").stdout
+    assert dot.startswith('digraph "ppo"') and "cluster_" in dot and "weights" in dot
+    mmd = flowc(
+        "export", "examples/ppo.py", "--model", "actor=llama-3.1-70b", "--cluster", "16x8xA100", "--format", "mermaid"
+    ).stdout
+    assert mmd.startswith("flowchart TD") and "subgraph" in mmd
+    svg = tmp_path / "p.svg"
+    if shutil.which("dot"):
+        flowc(
+            "export",
+            "examples/ppo.py",
+            "--model",
+            "actor=llama-3.1-70b",
+            "--cluster",
+            "16x8xA100",
+            "--format",
+            "svg",
+            "-o",
+            str(svg),
+        )
+        assert "<svg" in svg.read_text()
+    env = {**os.environ, "PATH": str(tmp_path)}  # no Graphviz on this PATH
+    r = subprocess.run(
+        [sys.executable, "-m", "flowc.cli", "export", "examples/grpo.py", "--format", "svg", "-o", str(svg)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    assert r.returncode == 1 and "apt-get install graphviz" in r.stderr
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (.ci/run installs Debian's chromium)")
+def test_html_export_opens_in_a_real_browser(tmp_path):
+    page = tmp_path / "plan.html"
+    flowc(
+        "export",
+        "examples/ppo.py",
+        "--model",
+        "actor=llama-3.1-70b",
+        "--cluster",
+        "16x8xH100",
+        "--format",
+        "html",
+        "-o",
+        str(page),
+    )
+    plan = json.loads(
+        flowc("plan", "examples/ppo.py", "--model", "actor=llama-3.1-70b", "--cluster", "16x8xH100", "--json").stdout
+    )
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
+    r = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    dom = r.stdout
+    assert 'data-ready="ok"' in dom, "the page's script did not finish: " + r.stderr[-2000:]
+    assert '<div id="errors"></div>' in dom, "the page reported a script error"
+    for role in ("actor", "critic", "ref", "rm"):
+        assert f"{role}.train" in dom or f"{role}.forward" in dom
+    assert f"{plan['predicted']['step_time_s']:.2f} s" in dom
+    assert f"{len(plan['alternatives'])} alternatives" in dom  # filled in by the script

@@ -1,0 +1,138 @@
+"""Weight resharding: HybridFlow's volumes, exactly-once delivery, lower bounds."""
+
+from __future__ import annotations
+
+import itertools
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowc.ir.cluster import ClusterSpec
+from flowc.ir.models import ModelSpec
+from flowc.ir.plan import Layout
+from flowc.passes.costs import Hw
+from flowc.passes.reshard import (
+    _cut,
+    colocated_gen_rect,
+    colocated_options,
+    deliveries,
+    gen_rect_of_rank,
+    gen_shards,
+    lower_bound_bytes,
+    nested,
+    separate_options,
+    weight_bytes,
+)
+
+M70 = ModelSpec.resolve("llama-3.1-70b")
+A100 = Hw.of(ClusterSpec.parse("16x8xA100"))
+
+
+def test_micro_dp_volume_is_hybridflows_formula():
+    # training p-t-d = 4-8-4 on 128 GPUs, generation t_g = 4, p_g = 1 (micro-DP group of 8)
+    train = Layout(dp=4, tp=8, pp=4, backend="megatron")
+    gen = Layout(dp=32, tp=4, backend="vllm")
+    m = weight_bytes(M70)
+    opts = {o.method: o for o in colocated_options(M70, train, gen, A100)}
+    t, p, tg, pg = 8, 4, 4, 1
+    assert opts["micro_dp_allgather"].bytes_per_device == pytest.approx((t * p - tg * pg) / (tg * pg * t * p) * m)
+    # a full all-gather (DeepSpeed-Chat) moves (t·p·d - 1)/(t·p·d)·M when the model is sharded over all devices;
+    # with Megatron (replicated over dp) each device gathers the (t·p - 1)/(t·p) it lacks
+    assert opts["full_allgather"].bytes_per_device == pytest.approx((t * p - 1) / (t * p) * m)
+    assert opts["micro_dp_allgather"].time < opts["full_allgather"].time
+    fsdp = Layout(dp=128, backend="fsdp2", fsdp=True)
+    full = {o.method: o for o in colocated_options(M70, fsdp, gen, A100)}["full_allgather"]
+    assert full.bytes_per_device == pytest.approx((128 - 1) / 128 * m)
+
+
+def test_in_place_when_layouts_match():
+    train = Layout(dp=16, tp=8, pp=1, backend="megatron")
+    gen = Layout(dp=16, tp=8, backend="vllm")
+    opts = {o.method: o for o in colocated_options(M70, train, gen, A100)}
+    assert opts["in_place"].bytes_per_device == 0 and opts["in_place"].extra_memory_gb == 0
+    assert lower_bound_bytes(M70, train, gen, colocated=True) == 0
+
+
+def test_separate_pools_p2p_moves_only_the_shard():
+    train = Layout(dp=8, tp=8, backend="megatron")
+    gen = Layout(dp=8, tp=8, backend="vllm")
+    opts = {o.method: o for o in separate_options(M70, train, gen, A100, same_node=False)}
+    m = weight_bytes(M70)
+    assert opts["p2p"].bytes_per_device == pytest.approx(m / 8) == lower_bound_bytes(M70, train, gen, colocated=False)
+    assert opts["broadcast"].bytes_per_device == pytest.approx(m)
+    assert opts["p2p"].time < opts["broadcast"].time
+
+
+def _check_exactly_once(method, train, gen, train_devs, gen_devs):
+    """Every generation device receives its shard (or, for the full methods,
+    the whole model), each piece exactly once; returns the deliveries."""
+    got = deliveries(method, train, gen, train_devs, gen_devs)
+    colocated = method in ("in_place", "micro_dp_allgather")
+    s_g = gen_shards(gen)
+    for g_rank, dev in enumerate(gen_devs):
+        mine = [d for d in got if d.dst == dev]
+        for a, b in itertools.combinations(mine, 2):
+            assert _cut(a.rect, b.rect) is None, f"{method}: a piece reaches device {dev} twice"
+        if method in ("full_allgather", "broadcast"):
+            target = (Fraction(0), Fraction(1), Fraction(0), Fraction(1))
+        elif colocated:
+            target = colocated_gen_rect(train, gen, train_devs.index(dev))
+        else:
+            target = gen_rect_of_rank(gen, g_rank)
+        assert all(_cut(d.rect, target) == d.rect for d in mine), "a piece outside the shard"
+        assert sum((d.area for d in mine), Fraction(0)) == (target[1] - target[0]) * (target[3] - target[2])
+        if not colocated and method == "p2p":
+            assert sum((d.area for d in mine), Fraction(0)) == Fraction(1, s_g)
+    return got
+
+
+layouts = st.tuples(
+    st.sampled_from([1, 2, 4]),  # tp
+    st.sampled_from([1, 2, 4]),  # pp
+    st.sampled_from([1, 2]),  # dp
+    st.sampled_from([1, 2, 4]),  # generation tp
+    st.sampled_from([1, 2]),  # generation pp
+    st.booleans(),  # FSDP training
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(layouts)
+def test_every_shard_arrives_exactly_once(args):
+    tp, pp, dp, tg, pg, fsdp = args
+    if fsdp:
+        train = Layout(dp=tp * pp * dp, tp=1, backend="fsdp2", fsdp=True)
+    else:
+        train = Layout(dp=dp, tp=tp, pp=pp, backend="megatron")
+    world = train.world
+    if world % (tg * pg):
+        return
+    gen = Layout(dp=world // (tg * pg), tp=tg, pp=pg, backend="vllm")
+    devs = list(range(world))
+    m = weight_bytes(M70)
+    for opt in colocated_options(M70, train, gen, A100):
+        got = _check_exactly_once(opt.method, train, gen, devs, devs)
+        moved = max(sum(float(d.area) for d in got if d.dst == dev and d.src != d.dst) for dev in devs) * m
+        assert moved == pytest.approx(opt.bytes_per_device, rel=1e-9, abs=1.0), opt.method
+        assert opt.bytes_per_device + 1 >= lower_bound_bytes(M70, train, gen, colocated=True)
+        if opt.method == "micro_dp_allgather":
+            assert nested(train, gen)
+    other = list(range(world, 2 * world))
+    for opt in separate_options(M70, train, gen, A100, same_node=False):
+        got = _check_exactly_once(opt.method, train, gen, devs, other)
+        moved = max(sum(float(d.area) for d in got if d.dst == dev) for dev in other) * m
+        assert moved == pytest.approx(opt.bytes_per_device, rel=1e-9)
+        assert opt.bytes_per_device + 1 >= lower_bound_bytes(M70, train, gen, colocated=False)
+
+
+def test_micro_dp_group_across_pipeline_stages_crosses_nodes():
+    # t8 p4 d4: a generation shard (t_g 8, all layers) gathers from the four pipeline stages, 32 ranks apart
+    train = Layout(dp=4, tp=8, pp=4, backend="megatron")
+    gen = Layout(dp=16, tp=8, backend="vllm")
+    micro = {o.method: o for o in colocated_options(M70, train, gen, A100)}["micro_dp_allgather"]
+    assert micro.link == "inter-node"
+    same_stage = Layout(dp=16, tp=8, pp=1, backend="megatron")
+    gen4 = Layout(dp=32, tp=4, backend="vllm")
+    assert {o.method: o for o in colocated_options(M70, same_stage, gen4, A100)}["micro_dp_allgather"].link == "intra-node"
