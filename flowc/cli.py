@@ -202,6 +202,91 @@ def export(
         typer.echo(text, nl=False)
 
 
+@app.command()
+def run(
+    file: FileArg,
+    overrides: OverridesArg = None,
+    model: ModelOpt = None,
+    data: Annotated[
+        str | None,
+        typer.Option("--data", help="Prompts: JSONL or Parquet with a 'prompt' column (and the columns your reward reads)."),
+    ] = None,
+    eval_data: Annotated[
+        str | None, typer.Option("--eval-data", help="Held-out prompts, same format, for the accuracy curve.")
+    ] = None,
+    reward: Annotated[
+        list[str] | None,
+        typer.Option("--reward", "-r", help="ROLE=module:function (or ROLE=path/file.py:function) for each Reward role."),
+    ] = None,
+    cluster: Annotated[
+        str, typer.Option("--cluster", "-c", help="local (this machine's CPUs), a Ray address, or auto.")
+    ] = "local",
+    workload: WorkloadOpt = None,
+    steps: Annotated[int | None, typer.Option("--steps", "-n", help="Iterations to run (default: the config's, 100).")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Run directory (default runs/FLOW-TIME).")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="A run directory to continue from its last checkpoint.")] = None,
+    rollout: Annotated[str | None, typer.Option("--rollout", help="Generation backend: hf (default) or vllm.")] = None,
+    pin: PinOpt = None,
+    config: Annotated[
+        str | None,
+        typer.Option("--config", help="A YAML run config (RunConfig fields, plus model/data/reward/cluster/workload)."),
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Plan the flow for this cluster and train it; writes runs/<name>/."""
+    from flowc.ir.run_config import RunConfig
+    from flowc.loader import load_flow
+    from flowc.run import RunRequest
+    from flowc.run import run as do_run
+
+    cfg, front = RunConfig.load(config) if config else (RunConfig(), {})
+    fl = load_flow(file)
+    words = list(overrides or [])
+    hyper = {**front.get("hyperparams", {}), **fl.parse_overrides(words)}
+    models = {**front.get("model", {}), **_pairs(model, "--model")}
+    rewards = {**front.get("reward", {}), **_pairs(reward, "--reward")}
+    req = RunRequest(
+        flow=fl,
+        overrides=hyper,
+        models=models,
+        data=data or front.get("data"),
+        eval_data=eval_data or front.get("eval_data"),
+        rewards=rewards,
+        cluster=front.get("cluster", cluster) if cluster == "local" else cluster,
+        workload=workload or front.get("workload"),
+        steps=steps,
+        out=out or front.get("out"),
+        resume=resume,
+        rollout=rollout or front.get("rollout"),
+        pins=list(pin or []),
+        config=cfg,
+    )
+    path = do_run(req, progress=not quiet)
+    err_console.print(f"run written to {path} (metrics.jsonl, plan.html, final/); draw it with: flowc report {path}")
+
+
+@app.command()
+def report(
+    run_dir: Annotated[str, typer.Argument(help="A run directory written by flowc run.", metavar="RUN_DIR")],
+    output: Annotated[str | None, typer.Option("--output", "-o", help="PNG path (default RUN_DIR/report.png).")] = None,
+) -> None:
+    """Draw a run's curves (reward, accuracy, KL, predicted vs measured time per op) to PNG."""
+    from flowc.report import draw
+
+    path = draw(run_dir, output)
+    typer.echo(f"wrote {path}")
+
+
+def _pairs(words: list[str] | None, flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for w in words or []:
+        if "=" not in w:
+            raise FlowcError(f"{flag} {w!r} is not ROLE=VALUE", fix=f"e.g. {flag} actor=...")
+        k, v = w.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``flowc`` script."""
     try:

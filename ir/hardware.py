@@ -61,6 +61,9 @@ class HardwareProfile(BaseModel):
         latency_us: fixed latency of one collective (µs).
         layer_overhead_us: fixed cost per layer of one decode step (kernel
             launches; CUDA graphs keep it small) (µs).
+        gemm_half_width, gemm_half_tokens: a matmul whose per-device width (or
+            token count) equals these runs at half the calibrated rate — GPUs
+            need wide, tall GEMMs; CPUs saturate much sooner.
         host_link_gb_s: host↔device bandwidth per device (offload; GB/s).
         host_memory_gb: host memory per node that offloaded states may use
             (GB); 0 disables offload (CPU devices: the host is the device).
@@ -81,6 +84,8 @@ class HardwareProfile(BaseModel):
     devices_per_node: int = Field(8, gt=0)
     latency_us: float = Field(10.0, ge=0)
     layer_overhead_us: float = Field(5.0, ge=0)
+    gemm_half_width: float = Field(256.0, gt=0)
+    gemm_half_tokens: float = Field(64.0, gt=0)
     host_link_gb_s: float = Field(25.0, gt=0)
     host_memory_gb: float = Field(0.0, ge=0)
     efficiency: Efficiency

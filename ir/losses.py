@@ -108,20 +108,33 @@ VALUE_LOSSES: tuple[type[BaseModel], ...] = (ValueClip,)
 
 
 # ---------------------------------------------------------------- math
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, max_len: int | None = None) -> torch.Tensor:
-    """Reduce a per-token ``loss [N, R]`` under ``mask [N, R]`` as ``mode`` says."""
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str, *, max_len: int | None = None, denom: float | None = None
+) -> torch.Tensor:
+    """Reduce a per-token ``loss [N, R]`` under ``mask [N, R]`` as ``mode`` says.
+
+    ``denom`` replaces the local count (tokens for ``token-mean``, sequences
+    otherwise) — the runtime passes the count over the whole mini-batch, all
+    data-parallel ranks and micro-batches included, so the sum of the pieces'
+    gradients is the gradient of the whole."""
     m = mask.to(loss.dtype)
     mode = _AGG_ALIASES.get(mode, mode)
     if mode == "token-mean":
-        return (loss * m).sum() / m.sum().clamp(min=1)
+        return (loss * m).sum() / (denom if denom is not None else m.sum().clamp(min=1))
     per_seq_sum = (loss * m).sum(-1)
+    n_seq = denom if denom is not None else loss.shape[0]
     if mode == "seq-mean-token-mean":
-        return (per_seq_sum / m.sum(-1).clamp(min=1)).mean()
+        return (per_seq_sum / m.sum(-1).clamp(min=1)).sum() / n_seq
     if mode == "seq-mean-token-sum":
-        return per_seq_sum.mean()
+        return per_seq_sum.sum() / n_seq
     if mode == "seq-mean-token-sum-norm":
-        return (per_seq_sum / float(max_len or loss.shape[-1])).mean()
+        return (per_seq_sum / float(max_len or loss.shape[-1])).sum() / n_seq
     raise ValueError(f"unknown aggregation mode {mode!r}; use one of {', '.join(AGG_MODES)}")
+
+
+def denominator_kind(mode: str) -> str:
+    """What ``aggregate``'s denominator counts for ``mode``: tokens or sequences."""
+    return "tokens" if _AGG_ALIASES.get(mode, mode) == "token-mean" else "sequences"
 
 
 def broadcast_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -133,14 +146,21 @@ def broadcast_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_loss(
-    spec: BaseModel, logp: torch.Tensor, old_logp: torch.Tensor | None, adv: torch.Tensor, mask: torch.Tensor
+    spec: BaseModel,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    denom: float | None = None,
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy loss of ``spec`` and its statistics (clip fraction, ratio)."""
     adv = broadcast_advantages(adv, mask)
     m = mask.to(logp.dtype)
     if isinstance(spec, PolicyGradient):
         per_tok = -adv * logp
-        return aggregate(per_tok, mask, spec.agg), {}
+        return aggregate(per_tok, mask, spec.agg, denom=denom, max_len=max_len), {}
     if not isinstance(spec, PPOClip):
         raise TypeError(f"{spec} is not a policy loss")
     old = logp.detach() if old_logp is None else old_logp
@@ -160,11 +180,18 @@ def policy_loss(
         "clip_frac": float((clipped.sum() / m.sum().clamp(min=1)).detach()),
         "ratio_mean": float(((ratio * m).sum() / m.sum().clamp(min=1)).detach()),
     }
-    return aggregate(per_tok, mask, spec.agg), stats
+    return aggregate(per_tok, mask, spec.agg, denom=denom, max_len=max_len), stats
 
 
 def value_loss(
-    spec: BaseModel, values: torch.Tensor, old_values: torch.Tensor | None, returns: torch.Tensor, mask: torch.Tensor
+    spec: BaseModel,
+    values: torch.Tensor,
+    old_values: torch.Tensor | None,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    denom: float | None = None,
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The critic loss of ``spec`` and its statistics."""
     if not isinstance(spec, ValueClip):
@@ -179,7 +206,7 @@ def value_loss(
         per_tok = 0.5 * torch.max(loss1, loss2)
         m = mask.to(values.dtype)
         frac = float((((loss2 > loss1).to(values.dtype) * m).sum() / m.sum().clamp(min=1)).detach())
-    return aggregate(per_tok, mask, spec.agg), {"vf_clip_frac": frac}
+    return aggregate(per_tok, mask, spec.agg, denom=denom, max_len=max_len), {"vf_clip_frac": frac}
 
 
 # ------------------------------------------------------- user constructors

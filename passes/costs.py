@@ -40,6 +40,8 @@ class Hw:
     latency: float  # s per collective
     layer_overhead: float  # s per layer per decode step
     host: float  # B/s host link
+    half_width: float  # GEMM width at half efficiency
+    half_tokens: float  # GEMM token count at half efficiency
     eff: Efficiency
     nodes: int = 1
     host_per_device_gb: float = 0.0  # host memory offloaded states may use, per device
@@ -58,6 +60,8 @@ class Hw:
             latency=p.latency_us * 1e-6,
             layer_overhead=p.layer_overhead_us * 1e-6,
             host=p.host_link_gb_s * GB,
+            half_width=p.gemm_half_width,
+            half_tokens=p.gemm_half_tokens,
             eff=p.efficiency,
             nodes=cluster.nodes,
             host_per_device_gb=0.8 * p.host_memory_gb / p.devices_per_node,
@@ -87,10 +91,12 @@ def gather_time(nbytes: float, group: int, bw: float, lat: float) -> float:
     return (group - 1) / group * nbytes / bw + (group - 1) * lat
 
 
-def shape_efficiency(tokens_per_micro: float, width: float) -> float:
+def shape_efficiency(tokens_per_micro: float, width: float, hw: Hw | None = None) -> float:
     """GEMMs on few tokens or narrow shards run below the calibrated rate:
-    a saturating factor in the micro-batch tokens and the per-device width."""
-    return (tokens_per_micro / (tokens_per_micro + 64.0)) * (width / (width + 256.0))
+    a saturating factor in the micro-batch tokens and the per-device width
+    (half rate at the profile's ``gemm_half_tokens`` / ``gemm_half_width``)."""
+    ht, hw_ = (hw.half_tokens, hw.half_width) if hw is not None else (64.0, 256.0)
+    return (tokens_per_micro / (tokens_per_micro + ht)) * (width / (width + hw_))
 
 
 # ------------------------------------------------------------------ params
@@ -225,7 +231,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, fo
     seqs_per_dp = seqs_per_update / lay.dp
     mbs = _micro_batches(seqs_per_dp, lay)
     t_micro = _tokens_per_micro(lay, d.seq_len)
-    eff = hw.eff.train * (hw.eff.moe_train if m.is_moe else 1.0) * shape_efficiency(t_micro, m.hidden_size / lay.tp)
+    eff = hw.eff.train * (hw.eff.moe_train if m.is_moe else 1.0) * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     flops = train_flops(m, d.tokens, d.seq_len, recompute=lay.activation_checkpointing)
     compute = flops / (devices * hw.peak * eff)
     tokens_per_rank = d.tokens / lay.dp / lay.cp
@@ -277,7 +283,9 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, fo
     offload = 0.0
     if lay.offload_params:  # host → device copies of the shards every micro-batch (half hidden by prefetch)
         offload = 0.5 * local * 2.0 * 2 / hw.host * mbs * d.updates
-    total = compute + tp + cp + bubble + pp_p2p + dp + ep + opt + offload
+    # fixed cost of every micro-batch: kernel launches (GPU) or Python dispatch (CPU), forward and backward
+    launch = 3.0 * mbs * d.updates * layers * hw.layer_overhead
+    total = compute + tp + cp + bubble + pp_p2p + dp + ep + opt + offload + launch
     w, g, o = train_state_gb(m, lay)
     act = activation_gb(m, lay, d.seq_len, train=True, logits=logits, micro_batches=mbs)
     buf = buffers_gb(m, lay, hw)
@@ -307,7 +315,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     seqs_per_dp = d.sequences * d.passes / lay.dp
     mbs = _micro_batches(seqs_per_dp, lay)
     t_micro = _tokens_per_micro(lay, d.seq_len)
-    eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp)
+    eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     compute = forward_flops(m, d.tokens, d.seq_len) / (devices * hw.peak * eff)
     tokens_per_rank = d.tokens / lay.dp / lay.cp
     layers = m.num_layers / lay.pp
@@ -340,7 +348,8 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     if lay.offload_params:
         # frozen roles swap their weights in once per op; FSDP's CPU offload copies them every micro-batch
         offload = local * 2.0 / hw.host if frozen else 0.5 * local * 2.0 / hw.host * mbs
-    total = compute + tp + bubble + ep + gather + offload
+    launch = mbs * layers * hw.layer_overhead
+    total = compute + tp + bubble + ep + gather + offload + launch
     act = activation_gb(m, lay, d.seq_len, train=False, logits=logits, micro_batches=mbs)
     buf = buffers_gb(m, lay, hw)
     host = 0.0
@@ -391,7 +400,7 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
     mm = 2.0 * matmul_params(m) / lay.tp
     # prefill: a compute-bound forward over the prompts of a wave
     prefill_flops = forward_flops(m, b * d.prompt_len, d.prompt_len) / lay.tp
-    prefill = prefill_flops / (hw.peak * hw.eff.matmul * shape_efficiency(b * d.prompt_len, m.hidden_size / lay.tp))
+    prefill = prefill_flops / (hw.peak * hw.eff.matmul * shape_efficiency(b * d.prompt_len, m.hidden_size / lay.tp, hw))
     if lay.tp > 1:
         prefill += allreduce_time(b * d.prompt_len * m.hidden_size * 2.0, lay.tp, hw.link(lay.tp), hw.latency) * 2 * m.num_layers
     # decode: R steps; each reads the weight shard and the KV cache (memory-bound) or is compute-bound

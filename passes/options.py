@@ -21,7 +21,7 @@ from flowc.passes.flops import Demand
 from flowc.passes.pins import Pins
 from flowc.passes.units import Unit
 
-MICRO_BATCHES = (1, 2, 4, 8, 16)
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FRONT_LIMIT = 8
 
 

@@ -1,0 +1,185 @@
+"""flowc vs TRL's GRPOTrainer on one machine, side by side in one invocation.
+
+    bash bench/grpo_vs_trl/setup.sh             # TRL in its own environment (bench/.venv-trl)
+    python bench/grpo_vs_trl/run.py [--rounds 3] [--steps 12] [--sizes tiny,mid]
+
+Both run GRPO without a reference model on the built-in arithmetic task with
+the same model, batch (8 prompts × 8 samples), response limit (24 tokens),
+learning rate and steps; they alternate (flowc, TRL, flowc, TRL, …) so that
+machine noise hits both. Reported per system: median seconds per step (the
+first two steps of each run are warm-up and dropped), generated tokens/s
+(response tokens / step time), peak resident memory of the whole process tree
+(Ray's processes included for flowc), and the ratio flowc/TRL.
+
+Sizes: ``tiny`` is the shipped 0.5M-parameter model; ``mid`` is a 34M-parameter
+Qwen2 (hidden 512, 8 layers) initialised at random from the same tokenizer,
+where compute dominates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TRL_PY = ROOT / "bench" / ".venv-trl" / "bin" / "python"
+WARMUP = 2
+
+
+def model_dir(size: str, cache: Path) -> str:
+    from flowc.tasks.arithmetic import asset_dir
+
+    if size == "tiny":
+        return str(asset_dir())
+    target = cache / "mid-34m"
+    if not (target / "config.json").exists():
+        from transformers import AutoTokenizer
+
+        from flowc.ir.models import ModelSpec
+        from flowc.runtime.modeling import load_causal_lm
+
+        spec = ModelSpec(
+            name="mid-34m",
+            model_type="qwen2",
+            hidden_size=512,
+            intermediate_size=2048,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=8,
+            vocab_size=32,
+            tie_word_embeddings=True,
+            dtype="float32",
+        )
+        load_causal_lm(spec, seed=0).save_pretrained(target, safe_serialization=True)
+        AutoTokenizer.from_pretrained(str(asset_dir())).save_pretrained(target)
+    return str(target)
+
+
+def watch(proc: subprocess.Popen, peak: list[float]) -> None:
+    """Peak RSS (GB) of the process and all its descendants."""
+    try:
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            total = 0
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            peak[0] = max(peak[0], total / 1e9)
+            time.sleep(0.2)
+    except psutil.Error:
+        pass
+
+
+def launch(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
+    peak = [0.0]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    t = threading.Thread(target=watch, args=(p, peak), daemon=True)
+    t.start()
+    out, err = p.communicate()
+    t.join(timeout=1)
+    r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{err[-3000:]}")
+    return r, peak[0]
+
+
+def run_flowc(model: str, steps: int, lr: float, work: Path) -> dict:
+    cfg = work / "flowc.yaml"
+    cfg.write_text(f"eval_every: 0\ncheckpoint_every: 0\ndefault_optim: {{lr: {lr}}}\n")
+    out = work / f"flowc-{time.time_ns()}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowc.cli",
+        "run",
+        str(HERE / "grpo_noref.py"),
+        "--model",
+        f"actor={model}",
+        "--steps",
+        str(steps),
+        "--workload",
+        "prompts=8,prompt_len=8,response_len=24",
+        "--config",
+        str(cfg),
+        "--out",
+        str(out),
+        "-q",
+    ]
+    _, peak = launch(cmd, dict(os.environ))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step_s"' in x][WARMUP:]
+    step = statistics.median(r["step_s"] for r in rows)
+    tokens = statistics.median(r["gen_tokens"] / r["step_s"] for r in rows)
+    return {"step_s": step, "tokens_per_s": tokens, "peak_gb": peak}
+
+
+def run_trl(model: str, steps: int, lr: float, work: Path) -> dict:
+    out = work / f"trl-{time.time_ns()}.json"
+    cmd = [str(TRL_PY), str(HERE / "trl_grpo.py"), "--model", model, "--steps", str(steps), "--lr", str(lr), "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    _, peak = launch(cmd, env)
+    d = json.loads(out.read_text())
+    times = d["step_s"][WARMUP:]
+    lengths = d["mean_length"][WARMUP:]
+    per_step_tokens = [ln * d["samples_per_step"] for ln in lengths]
+    return {
+        "step_s": statistics.median(times),
+        "tokens_per_s": statistics.median(t / s for t, s in zip(per_step_tokens, times, strict=False)),
+        "peak_gb": peak,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--sizes", default="tiny,mid")
+    args = ap.parse_args()
+    if not TRL_PY.exists():
+        sys.exit("TRL's environment is missing: run bash bench/grpo_vs_trl/setup.sh first")
+    cache = ROOT / "bench" / ".cache"
+    cache.mkdir(exist_ok=True)
+    results: dict[str, dict[str, list[dict]]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        for size in args.sizes.split(","):
+            model = model_dir(size, cache)
+            results[size] = {"flowc": [], "trl": []}
+            for r in range(args.rounds):
+                results[size]["flowc"].append(run_flowc(model, args.steps, args.lr, work))
+                results[size]["trl"].append(run_trl(model, args.steps, args.lr, work))
+                print(f"{size} round {r + 1}: flowc {results[size]['flowc'][-1]}  trl {results[size]['trl'][-1]}", flush=True)
+    print()
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; {args.rounds} alternating rounds of {args.steps} steps (first {WARMUP} dropped), medians"
+    )
+    print()
+    print("| size | system | s/step | generated tokens/s | peak memory | throughput flowc/TRL |")
+    print("|---|---|---:|---:|---:|---:|")
+    for size, res in results.items():
+        med = {s: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for s, runs in res.items()}
+        ratio = med["flowc"]["tokens_per_s"] / med["trl"]["tokens_per_s"]
+        for s in ("flowc", "trl"):
+            m = med[s]
+            cell = f"{ratio:.2f}×" if s == "flowc" else ""
+            print(
+                f"| {size} | {'flowc' if s == 'flowc' else 'TRL 1.16'} | {m['step_s']:.3f} | {m['tokens_per_s']:.0f} | {m['peak_gb']:.2f} GB | {cell} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Row-wise data: slicing, joining and sharding the values that flow between ops.
+
+Values are tensors with a leading batch dimension, ``PromptBatch`` and
+``Rollout`` bundles, or lists (decoded texts). Bulk values live in the Ray
+object store as one shard per producing worker; a consumer worker receives
+the pieces that cover its rows (``RowSpec``) and joins them itself, so the
+controller handles references and counts, not the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import Any
+
+import torch
+
+from flowc.ir.functional import PromptBatch, Rollout
+
+
+def num_rows(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.shape[0]
+    if is_dataclass(x):
+        return getattr(x, fields(x)[0].name).shape[0]
+    return len(x)
+
+
+def slice_rows(x: Any, lo: int, hi: int) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x[lo:hi]
+    if is_dataclass(x):
+        return replace(x, **{f.name: getattr(x, f.name)[lo:hi] for f in fields(x)})
+    return x[lo:hi]
+
+
+def cat_rows(parts: Sequence[Any]) -> Any:
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts), dim=0)
+    if is_dataclass(first):
+        return replace(first, **{f.name: torch.cat([getattr(p, f.name) for p in parts], dim=0) for f in fields(first)})
+    out: list[Any] = []
+    for p in parts:
+        out.extend(p)
+    return out
+
+
+def repeat_rows(x: Any, n: int) -> Any:
+    """Each row ``n`` times, consecutively (prompt i → samples i·n … i·n+n-1)."""
+    if n == 1:
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.repeat_interleave(n, dim=0)
+    if is_dataclass(x):
+        return replace(x, **{f.name: getattr(x, f.name).repeat_interleave(n, dim=0) for f in fields(x)})
+    return [r for r in x for _ in range(n)]
+
+
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering ``range(n)``, sizes differing by ≤ 1."""
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[lo, hi)`` of the object behind ``ref`` (a shard), then ``path``."""
+
+    ref: Any  # ray.ObjectRef
+    lo: int
+    hi: int
+    path: tuple[str | int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A bulk value held as shards in the object store, in row order."""
+
+    refs: tuple[Any, ...]
+    counts: tuple[int, ...]
+    path: tuple[str | int, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return sum(self.counts)
+
+    def project(self, step: str | int) -> Sharded:
+        return Sharded(self.refs, self.counts, (*self.path, step))
+
+    def pieces(self, lo: int, hi: int) -> list[Piece]:
+        """The shard pieces that hold rows ``[lo, hi)``."""
+        out, start = [], 0
+        for ref, c in zip(self.refs, self.counts, strict=True):
+            a, b = max(lo, start), min(hi, start + c)
+            if a < b:
+                out.append(Piece(ref, a - start, b - start, self.path))
+            start += c
+        return out
+
+
+def project(x: Any, path: Sequence[str | int]) -> Any:
+    for step in path:
+        x = getattr(x, step) if isinstance(step, str) else x[step]
+    return x
+
+
+def assemble(pieces: Sequence[Piece], fetch) -> Any:
+    """Join pieces into one value; ``fetch`` turns refs into objects (ray.get)."""
+    objs = fetch([p.ref for p in pieces])
+    return cat_rows([slice_rows(project(o, p.path), p.lo, p.hi) for o, p in zip(objs, pieces, strict=True)])
+
+
+def empty_rollout_like(r: Rollout) -> Rollout:
+    return slice_rows(r, 0, 0)
+
+
+__all__ = [
+    "Piece",
+    "PromptBatch",
+    "Rollout",
+    "Sharded",
+    "assemble",
+    "cat_rows",
+    "even_split",
+    "num_rows",
+    "repeat_rows",
+    "slice_rows",
+]

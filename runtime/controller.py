@@ -1,0 +1,434 @@
+"""The single controller: starts the worker groups of a Program and runs it.
+
+Each iteration walks the program's steps in order. Device steps are submitted
+to their worker group without waiting (Ray actors run their calls in order,
+so one group's steps are sequential and different groups overlap); the
+controller waits only when its own step (a reward, a compute) needs a value.
+Bulk values stay in the object store as one shard per worker; the controller
+passes references and row ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from flowc.errors import DataError, RuntimeFailure
+from flowc.ir.functional import PromptBatch
+from flowc.ir.graph import FlowGraph, ValueRef
+from flowc.ir.plan import Plan
+from flowc.ir.run_config import RunConfig
+from flowc.ir.sampling import SamplingParams
+from flowc.ir.targets import resolve
+from flowc.ir.workload import WorkloadSpec
+from flowc.runtime.batches import Piece, Sharded, even_split, num_rows, project
+from flowc.runtime.data import Records, RewardFn, call_reward, tokenize_prompts
+from flowc.runtime.program import EngineSpec, Program, Step
+from flowc.runtime.worker import WorkerGroup
+
+BUCKET_BYTES = 64e6
+
+
+@dataclass
+class RunSpec:
+    """Everything a run needs besides the cluster."""
+
+    program: Program
+    plan: Plan
+    graph: FlowGraph
+    config: RunConfig
+    workload: WorkloadSpec
+    model_sources: dict[str, str]  # role → HF model directory
+    tokenizer: str  # the policy's tokenizer directory
+    data: Records
+    eval_data: Records | None
+    rewards: dict[str, RewardFn]  # Reward role → function
+    reward_names: dict[str, str] = field(default_factory=dict)
+    out_dir: Path = Path("runs/run")
+    gpus: bool = False
+
+
+@dataclass
+class Local:
+    value: Any
+
+
+class Controller:
+    """Owns the worker groups for the length of a run."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        from transformers import AutoTokenizer
+
+        self.s = spec
+        self.cfg = spec.config
+        self.groups: dict[str, WorkerGroup] = {}
+        self.tok = AutoTokenizer.from_pretrained(spec.tokenizer)
+        self.dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if spec.gpus else "float32")
+        self.history: list[dict[str, Any]] = []
+        self.placement: dict[str, list[dict[str, Any]]] = {}
+
+    # ---------------------------------------------------------------- start
+    def start(self) -> None:
+        """Create every worker group, join its world, load its engines."""
+        backend = "nccl" if self.s.gpus else "gloo"
+        for g in self.s.program.groups:
+            strategy = "STRICT_PACK" if len(g.nodes) == 1 else "SPREAD"
+            roles = ", ".join(f"{e.role}/{e.engine}" for e in g.engines)
+            wg = WorkerGroup(
+                g.name,
+                g.size,
+                gpus=self.s.gpus,
+                cpus_per_worker=self.cfg.cpus_per_worker,
+                strategy=strategy,
+                timeout_s=self.cfg.timeout_s,
+                roles=roles,
+            )
+            self.groups[g.name] = wg
+            self.placement[g.name] = wg.get(wg.call("where"), "start")
+            master = self.placement[g.name][0]["ip"]
+            port = wg.get(wg.workers[0].port.remote(), "start")
+            wg.get(wg.call("init_dist", master, port, backend, self.cfg.timeout_s), "joining the process group")
+            for e in g.engines:
+                wg.get(
+                    wg.call("add_engine", self._key(e), e.kind, e.engine, self._source(e), e.layout, self._options(e)),
+                    f"loading {e.role}/{e.engine}",
+                )
+
+    def _key(self, e: EngineSpec) -> str:
+        return f"{e.role}/{e.engine}"
+
+    def _source(self, e: EngineSpec) -> str:
+        return self.s.model_sources[e.role]
+
+    def _options(self, e: EngineSpec) -> dict[str, Any]:
+        return {"dtype": self.dtype, "seed": self.cfg.seed, "optim": self.cfg.optim_for(e.role), "tokenizer": self.s.tokenizer}
+
+    def shutdown(self) -> None:
+        for wg in self.groups.values():
+            wg.shutdown()
+        self.groups.clear()
+
+    # ------------------------------------------------------------- values
+    def _group_of(self, step: Step) -> tuple[WorkerGroup, EngineSpec]:
+        role, engine = step.engine.split("/")
+        gspec, espec = self.s.program.engine(role, engine)
+        return self.groups[gspec.name], espec
+
+    def _sharded(self, v: Any) -> Sharded:
+        if isinstance(v, Sharded):
+            return v
+        return Sharded((ray.put(v.value),), (num_rows(v.value),))
+
+    def _value(self, env: dict[str, Any], ref: ValueRef) -> Any:
+        base = env[ref.node]
+        if isinstance(base, Sharded):
+            out = base
+            for p in ref.path:
+                out = out.project(p)
+            return out
+        return Local(project(base.value, ref.path))
+
+    def _materialize(self, v: Any) -> Any:
+        if isinstance(v, Local):
+            return v.value
+        from flowc.runtime.batches import assemble
+
+        return assemble(v.pieces(0, v.rows), lambda refs: ray.get(list(refs), timeout=self.cfg.timeout_s))
+
+    def _arg(self, env: dict[str, Any], x: Any) -> Any:
+        if isinstance(x, ValueRef):
+            return self._materialize(self._value(env, x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._arg(env, y) for y in x)
+        if isinstance(x, dict):
+            return {k: self._arg(env, y) for k, y in x.items()}
+        return x
+
+    @staticmethod
+    def _per_rank(values: dict[str, Sharded], size: int) -> list[dict[str, list[Piece]]]:
+        rows = next(iter(values.values())).rows
+        ranges = even_split(rows, size)
+        return [{k: v.pieces(lo, hi) for k, v in values.items()} for lo, hi in ranges]
+
+    # -------------------------------------------------------------- a step
+    def run_step(self, step: int) -> dict[str, Any]:
+        t_step = time.perf_counter()
+        w = self.s.workload
+        env: dict[str, Any] = {}
+        metas: dict[str, list[Any]] = {}
+        rows = self.s.data.batch(step, w.prompts, self.cfg.seed)
+        prompts_text = [r[self.s.data.prompt_key] for r in rows]
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.s.data.prompt_key}
+        n_of: dict[str, int] = {}
+        for st in self.s.program.steps:
+            node = self.s.graph[st.node]
+            if st.op == "input":
+                env[st.node] = Local(tokenize_prompts(self.tok, prompts_text, w.prompt_len))
+            elif st.op == "generate":
+                n = int(st.args.get("n", 1))
+                n_of[st.node] = n
+                env[st.node], metas[st.node] = self._generate(st, env[node.args[0].node], n, step)
+            elif st.op in ("logprobs", "values", "score"):
+                env[st.node], metas[st.node] = self._forward(st, self._value(env, node.args[0]))
+            elif st.op == "update":
+                metas[st.node] = self._update(st, env, node)
+            elif st.op == "weight_sync":
+                metas[st.node] = self._sync(st)
+            elif st.op == "reward":
+                src = node.args[0].node
+                texts = [t for m in self._wait(st, metas[src], "generate") for t in m["texts"]]
+                k = n_of[src]
+                cols = {c: [v for v in vals for _ in range(k)] for c, vals in columns.items()}
+                ptext = [p for p in prompts_text for _ in range(k)]
+                env[st.node] = Local(
+                    call_reward(self.s.rewards[node.role], self.s.reward_names.get(node.role, node.role), ptext, texts, cols)
+                )
+            elif st.op == "compute":
+                fn = resolve(node.target)
+                args = self._arg(env, node.args)
+                kwargs = self._arg(env, node.kwargs)
+                try:
+                    env[st.node] = Local(fn(*args, **kwargs))
+                except Exception as e:
+                    raise RuntimeFailure(
+                        f"compute {st.node} ({node.target}) failed at step {step}: {type(e).__name__}: {e}"
+                    ) from e
+        return self._metrics(step, env, metas, n_of, t_step)
+
+    def _wait(self, st: Step, refs: list[Any], what: str) -> list[Any]:
+        group = self.groups[st.group] if st.group else next(iter(self.groups.values()))
+        return group.get(refs, f"{what} {st.node}")
+
+    def _generate(self, st: Step, prompts: Any, n: int, step: int) -> tuple[Sharded, list[Any]]:
+        wg, e = self._group_of(st)
+        sp = self.cfg.sampling.model_copy(update={k: v for k, v in st.args.items() if k in SamplingParams.model_fields})
+        max_tokens = sp.max_tokens or self.s.workload.response_len
+        replicas = e.layout.dp
+        src = self._sharded(prompts)
+        per = self._per_rank({"prompts": src}, replicas)
+        args = {"n": n, "sampling": sp, "max_tokens": max_tokens, "step": step}
+        out = wg.call("run", per_rank=[(self._key(e), "generate", per[r], args) for r in range(wg.size)], num_returns=2)
+        counts = [n * (hi - lo) for lo, hi in even_split(src.rows, replicas)]
+        return Sharded(tuple(o[0] for o in out), tuple(counts)), [o[1] for o in out]
+
+    def _forward(self, st: Step, rollout: Sharded) -> tuple[Sharded, list[Any]]:
+        wg, e = self._group_of(st)
+        per = self._per_rank({"rollout": rollout}, e.layout.dp)
+        out = wg.call(
+            "run",
+            per_rank=[(self._key(e), st.op, per[r], {"micro": e.layout.micro_batch}) for r in range(wg.size)],
+            num_returns=2,
+        )
+        counts = [hi - lo for lo, hi in even_split(rollout.rows, e.layout.dp)]
+        return Sharded(tuple(o[0] for o in out), tuple(counts)), [o[1] for o in out]
+
+    def _update(self, st: Step, env: dict[str, Any], node: Any) -> list[Any]:
+        wg, e = self._group_of(st)
+        values: dict[str, Sharded] = {"rollout": self._value(env, node.args[0])}
+        for name in ("advantages", "old_logprobs", "ref_logprobs", "returns", "old_values"):
+            if name in node.kwargs:
+                v = self._value(env, node.kwargs[name])
+                values[name] = self._sharded(v) if isinstance(v, Local) else v
+        per = self._per_rank(values, e.layout.dp)
+        w = self.s.workload
+        args = {
+            "loss": node.kwargs["loss"],
+            "kl_coef": float(node.kwargs.get("kl_coef", 0.0)),
+            "kl_kind": node.kwargs.get("kl_kind", "low_var_kl"),
+            "entropy_coef": float(node.kwargs.get("entropy_coef", 0.0)),
+            "mini_batches": w.mini_batches,
+            "epochs": w.epochs,
+            "micro": e.layout.micro_batch,
+        }
+        out = wg.call("run", per_rank=[(self._key(e), "update", per[r], args) for r in range(wg.size)], num_returns=2)
+        return [o[1] for o in out]
+
+    def _sync(self, st: Step) -> list[Any]:
+        role = st.engine.split("/")[0]
+        tg, te = self.s.program.engine(role, "train")
+        gg, ge = self.s.program.engine(role, "rollout")
+        src, dst = self._key(te), self._key(ge)
+        if tg.name == gg.name:
+            wg = self.groups[tg.name]
+            return wg.call("sync_local", src, dst)
+        train, gen = self.groups[tg.name], self.groups[gg.name]
+        exported = train.get(train.call("export_weights", src, BUCKET_BYTES), f"weight sync {role} (gather)")
+        buckets = exported[0][0]
+        return gen.call("import_weights", dst, buckets)
+
+    # -------------------------------------------------------------- metrics
+    def _metrics(
+        self, step: int, env: dict[str, Any], metas: dict[str, list[Any]], n_of: dict[str, int], t_step: float
+    ) -> dict[str, Any]:
+        g = self.s.graph
+        m: dict[str, Any] = {"step": step + 1}
+        measured: dict[str, float] = {}
+        gen_tokens = 0
+        tokens_of: dict[str, int] = {}
+        for st in self.s.program.steps:
+            if st.node not in metas:
+                continue
+            got = self._wait(st, metas[st.node], st.op)
+            measured[st.node] = max(x.get("seconds", 0.0) for x in got)
+            if st.op == "generate":
+                tokens_of[st.node] = sum(x["tokens"] for x in got)
+                gen_tokens += tokens_of[st.node]
+            if st.op == "update":
+                stats = [x["stats"] for x in got]
+                for k in stats[0]:
+                    m[f"{g[st.node].role}/{k}"] = sum(s[k] for s in stats) / len(stats)
+            if st.op == "weight_sync":
+                m[f"{g[st.node].role}/sync_bytes_per_device"] = max(x["bytes"] for x in got)
+                m[f"{g[st.node].role}/sync_s"] = max(x["seconds"] for x in got)
+        for st in self.s.program.steps:
+            node = g[st.node]
+            if st.op == "reward":
+                scores = env[st.node].value
+                m[f"{st.node}/mean"] = float(scores.mean())
+                m[f"{st.node}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
+                if bool(((scores == 0) | (scores == 1)).all()):
+                    m[f"{st.node}/accuracy"] = float(scores.mean())
+            if st.op == "generate" and node.kwargs.get("greedy") is not True and "response_length" not in m:
+                m["response_length"] = tokens_of[st.node] / max(env[st.node].rows, 1)
+        first_reward = next((st.node for st in self.s.program.steps if st.op == "reward"), None)
+        if first_reward:
+            m["reward"] = m[f"{first_reward}/mean"]
+            m["reward_std"] = m[f"{first_reward}/std"]
+            if f"{first_reward}/accuracy" in m:
+                m["accuracy"] = m[f"{first_reward}/accuracy"]
+        wall = time.perf_counter() - t_step  # every op of the step has finished
+        m["step_s"] = wall
+        m["gen_tokens"] = gen_tokens
+        m["tokens_per_s"] = gen_tokens / wall if wall > 0 else 0.0
+        m["measured_s"] = measured
+        m["predicted_s"] = {st.node: st.predicted_s for st in self.s.program.steps if st.group}
+        return m
+
+    # ------------------------------------------------------------- evaluate
+    def evaluate(self) -> dict[str, float]:
+        """Greedy responses to held-out prompts, scored by the first reward function."""
+        data = self.s.eval_data
+        if data is None or not self.s.rewards:
+            return {}
+        rows = data.head(self.cfg.eval_size)
+        role = next(iter(self.s.rewards))
+        gen_step = next(st for st in self.s.program.steps if st.op == "generate")
+        wg, e = self._group_of(gen_step)
+        sp = SamplingParams(greedy=True)
+        prompts = tokenize_prompts(self.tok, [r[data.prompt_key] for r in rows], self.s.workload.prompt_len)
+        src = Sharded((ray.put(prompts),), (len(rows),))
+        per = self._per_rank({"prompts": src}, e.layout.dp)
+        args = {"n": 1, "sampling": sp, "max_tokens": self.s.workload.response_len, "step": -1}
+        out = wg.call("run", per_rank=[(self._key(e), "generate", per[r], args) for r in range(wg.size)], num_returns=2)
+        texts = [t for m in wg.get([o[1] for o in out], "evaluation") for t in m["texts"]]
+        cols = {k: [r[k] for r in rows] for k in rows[0] if k != data.prompt_key}
+        scores = call_reward(
+            self.s.rewards[role], self.s.reward_names.get(role, role), [r[data.prompt_key] for r in rows], texts, cols
+        )
+        return {
+            "eval/reward": float(scores.mean()),
+            "eval/accuracy": float((scores >= 1.0).float().mean()),
+            "eval/size": float(len(rows)),
+        }
+
+    # ----------------------------------------------------------- checkpoints
+    def save(self, step: int, extra: dict[str, Any]) -> Path:
+        """Write a checkpoint atomically: into a temporary directory, then rename."""
+        root = self.s.out_dir / "checkpoints"
+        tmp = root / f".tmp-{step:06d}-{os.getpid()}"
+        final = root / f"step-{step:06d}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        for g in self.s.program.groups:
+            wg = self.groups[g.name]
+            for e in g.engines:
+                if e.engine == "train":
+                    wg.get(wg.call("save", self._key(e), str(tmp)), f"saving {e.role}")
+        state = {"step": step, "metrics": self.history, **extra}
+        (tmp / "controller.json").write_text(json.dumps(state))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest = root / "latest"
+        (root / ".latest.tmp").write_text(final.name)
+        os.replace(root / ".latest.tmp", latest)
+        kept = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for old in kept[: -self.cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def restore(self, run_dir: Path) -> dict[str, Any]:
+        """Load the latest checkpoint of ``run_dir`` into the engines; returns its controller state."""
+        root = run_dir / "checkpoints"
+        latest = root / "latest"
+        if not latest.exists():
+            raise DataError(f"{run_dir} has no checkpoint to resume from", fix="resume a run directory written by flowc run")
+        ckpt = root / latest.read_text().strip()
+        state = json.loads((ckpt / "controller.json").read_text())
+        for g in self.s.program.groups:
+            wg = self.groups[g.name]
+            for e in g.engines:
+                if e.engine == "train":
+                    wg.get(wg.call("load", self._key(e), str(ckpt)), f"loading {e.role}")
+        for st in self.s.program.steps:  # the rollout engines get the restored weights
+            if st.op == "weight_sync":
+                self._wait(st, self._sync(st), "weight sync")
+        self.history = state.get("metrics", [])
+        return state
+
+    def sync_error(self, role: str, step: int = 10**6) -> float:
+        """Largest |trainer − rollout engine| log-probability of the same sampled
+        tokens: zero (to rounding) when the last weight sync delivered the
+        trained weights."""
+        gen = next(st for st in self.s.program.steps if st.op == "generate" and st.engine == f"{role}/rollout")
+        rows = self.s.data.batch(0, self.s.workload.prompts, self.cfg.seed)
+        prompts = Local(tokenize_prompts(self.tok, [r[self.s.data.prompt_key] for r in rows], self.s.workload.prompt_len))
+        rollout, metas = self._generate(gen, prompts, 2, step)
+        self._wait(gen, metas, "generate")
+        tg, _ = self.s.program.engine(role, "train")
+        trained, tmeta = self._forward(Step(-1, "logprobs", "check", tg.name, f"{role}/train", ()), rollout)
+        self._wait(gen, tmeta, "trainer log-probabilities")
+        gg, ge = self.s.program.engine(role, "rollout")
+        wg = self.groups[gg.name]
+        per = self._per_rank({"rollout": rollout}, ge.layout.dp)
+        engine_lp = wg.get(
+            [w.rollout_logprobs.remote(self._key(ge), per[r]) for r, w in enumerate(wg.workers)], "rollout log-probabilities"
+        )
+        a = torch.cat(engine_lp, dim=0)
+        b = self._materialize(trained)
+        mask = self._materialize(rollout.project("response_mask"))
+        return float(((a - b).abs() * mask).max())
+
+    def export_policy(self, path: Path) -> None:
+        for g in self.s.program.groups:
+            for e in g.engines:
+                if e.engine == "train" and e.kind == "policy":
+                    wg = self.groups[g.name]
+                    wg.get(wg.call("export_hf", self._key(e), str(path), self.s.tokenizer), "exporting the policy")
+                    return
+
+
+def init_ray(address: str | None, *, temp_dir: str | None = None) -> bool:
+    """Connect to (address) or start (None: this machine) a Ray cluster; True when started here."""
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return True
+    cpus = max(8, 2 * (os.cpu_count() or 1))
+    tmp = temp_dir or f"/tmp/flowc-ray-{os.getpid()}"
+    ray.init(num_cpus=cpus, include_dashboard=False, _temp_dir=tmp, runtime_env=env, log_to_driver=True)
+    return True
+
+
+__all__ = ["Controller", "PromptBatch", "RunSpec", "init_ray"]

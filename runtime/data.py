@@ -1,0 +1,102 @@
+"""Prompt sources and reward functions as the controller sees them.
+
+A ``Records`` source is a list of rows (dicts with a ``prompt`` column and
+whatever columns a reward reads). Batches are drawn by a seeded permutation
+per epoch, so the rows of step *s* depend only on the seed and *s* — a resumed
+run draws exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowc.errors import DataError
+from flowc.ir.functional import PromptBatch
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+@dataclass
+class Records:
+    rows: list[dict[str, Any]]
+    name: str = "data"
+    prompt_key: str = "prompt"
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise DataError(f"{self.name} has no rows")
+        if self.prompt_key not in self.rows[0]:
+            cols = ", ".join(self.rows[0])
+            raise DataError(
+                f"{self.name} has no {self.prompt_key!r} column (columns: {cols})", fix="name the prompt column 'prompt'"
+            )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, step: int, size: int, seed: int) -> list[dict[str, Any]]:
+        """Rows of step ``step`` (0-based): consecutive slices of per-epoch permutations."""
+        out: list[dict[str, Any]] = []
+        pos = step * size
+        while len(out) < size:
+            epoch, offset = divmod(pos, len(self.rows))
+            order = list(range(len(self.rows)))
+            random.Random(f"{seed}:{epoch}").shuffle(order)
+            take = min(size - len(out), len(self.rows) - offset)
+            out.extend(self.rows[i] for i in order[offset : offset + take])
+            pos += take
+        return out
+
+    def head(self, size: int | None) -> list[dict[str, Any]]:
+        return self.rows if size is None else self.rows[:size]
+
+
+def tokenize_prompts(tok: Any, prompts: list[str], max_len: int) -> PromptBatch:
+    """Left-padded prompt ids ``[B, max_len]`` (an error names a prompt that is too long)."""
+    enc = tok(prompts, padding="max_length", max_length=max_len, truncation=False, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if ids.shape[1] > max_len:
+        lens = mask.sum(-1)
+        i = int(torch.argmax(lens))
+        raise DataError(
+            f"prompt {prompts[i]!r} is {int(lens[i])} tokens, longer than the workload's prompt_len {max_len}",
+            fix=f"raise it: --workload prompt_len={int(lens.max())}",
+        )
+    return PromptBatch(ids, mask.bool())
+
+
+def call_reward(fn: RewardFn, name: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]]) -> torch.Tensor:
+    """Call a user's reward function and check what it returns."""
+    try:
+        sig = inspect.signature(fn)
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        cols = columns if takes_kwargs else {k: v for k, v in columns.items() if k in sig.parameters}
+        out = fn(prompts, responses, **cols)
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(
+            f"reward function {name} raised {type(e).__name__}: {e}",
+            fix="it is called as fn(prompts: list[str], responses: list[str], **columns) and must return one float per response",
+        ) from e
+    try:
+        scores = torch.as_tensor(list(out), dtype=torch.float32)
+    except Exception as e:
+        raise DataError(
+            f"reward function {name} returned {type(out).__name__}, not a sequence of numbers",
+            fix="return a list of floats, one per response",
+        ) from e
+    if scores.shape != (len(responses),):
+        raise DataError(
+            f"reward function {name} returned {tuple(scores.shape)} scores for {len(responses)} responses",
+            fix="return one float per response",
+        )
+    if not torch.isfinite(scores).all():
+        raise DataError(f"reward function {name} returned a non-finite score", fix="return finite floats")
+    return scores

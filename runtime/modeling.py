@@ -1,0 +1,133 @@
+"""Models for the backends: HF causal LMs from a directory or a ModelSpec, a
+value head for critics, and teacher-forced log-probabilities.
+
+Sequences are laid out as the rollout holds them: left-padded prompts
+``[N, P]`` followed by right-padded responses ``[N, R]``; position ids count
+real tokens only, so left padding does not shift them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowc.errors import SpecError
+from flowc.ir.models import ModelSpec
+
+
+def hf_config(spec: ModelSpec):
+    """An HF config with ``spec``'s architecture (dense Llama/Qwen2 families)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if spec.is_moe or spec.is_mla:
+        raise SpecError(
+            f"random initialisation of {spec.name} ({spec.model_type}) is not supported", fix="give an HF model directory"
+        )
+    common = dict(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        vocab_size=spec.vocab_size,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        max_position_embeddings=4096,
+    )
+    if spec.model_type == "qwen2":
+        return Qwen2Config(**common)
+    return LlamaConfig(**common, attention_bias=spec.attention_bias, head_dim=spec.head_dim)
+
+
+def load_causal_lm(source: str | Path | ModelSpec, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """A causal LM from an HF directory, or randomly initialised from a spec."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if isinstance(source, ModelSpec):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config(source), dtype=dtype)
+    else:
+        path = Path(source)
+        if not (path / "config.json").exists():
+            raise SpecError(
+                f"model directory {path} has no config.json", fix="give an HF model directory (config.json + weights)"
+            )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        except Exception as e:
+            raise SpecError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
+    model.config.use_cache = True
+    return model
+
+
+class ValueModel(nn.Module):
+    """A critic: the LM's trunk and a scalar head on every position."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.trunk = lm.model
+        self.config = lm.config
+        self.head = nn.Linear(lm.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        h = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return self.head(h).squeeze(-1)
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by (``cache`` in
+    transformers 5, ``past_key_values`` before)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_of(out) -> object:
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens only (left padding gets 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def join(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor):
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    return ids, mask, positions(mask)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[targets], computed in fp32."""
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def response_logprobs(model: nn.Module, prompt_ids, prompt_mask, response_ids, response_mask, *, with_entropy: bool = False):
+    """Teacher-forced log-probabilities ``[N, R]`` of the response tokens (and
+    their per-token entropy when asked)."""
+    ids, mask, pos = join(prompt_ids, prompt_mask, response_ids, response_mask)
+    p, r = prompt_ids.shape[1], response_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    logits = logits[:, p - 1 : p + r - 1]
+    lp = token_logprobs(logits, response_ids)
+    if not with_entropy:
+        return lp
+    logp_all = F.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return lp, entropy
+
+
+def response_values(model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    """Value estimates ``[N, R]``: the value of the state before each response token."""
+    ids, mask, pos = join(prompt_ids, prompt_mask, response_ids, response_mask)
+    p, r = prompt_ids.shape[1], response_ids.shape[1]
+    v = model(input_ids=ids, attention_mask=mask, position_ids=pos)
+    return v[:, p - 1 : p + r - 1].float()

@@ -1,0 +1,93 @@
+"""Batched sampling with a KV cache: the ``hf`` rollout backend's decode loop.
+
+One prefill over the left-padded prompts, then one forward per token over the
+still-running sequences' last tokens. Temperature, top-k, top-p, min-p and
+greedy decoding; EOS or the length limit ends a sequence. Returns the
+response ids (right-padded to ``max_tokens``), the response mask (True up to
+and including EOS) and the sampler's log-probabilities of its choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flowc.ir.sampling import SamplingParams
+from flowc.runtime.modeling import cache_kwarg, cache_of, positions
+
+
+@dataclass
+class Sampled:
+    response_ids: torch.Tensor  # [N, R]
+    response_mask: torch.Tensor  # [N, R] bool
+    logprobs: torch.Tensor  # [N, R] float32
+
+
+def process_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p applied to ``[N, V]`` logits (fp32)."""
+    logits = logits.float()
+    if sp.greedy:
+        return logits
+    logits = logits / max(sp.temperature, 1e-6)
+    if sp.top_k > 0 and sp.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sp.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sp.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < sp.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > sp.top_p  # keep the smallest prefix reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    return logits
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sp: SamplingParams,
+    *,
+    max_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    generator: torch.Generator | None = None,
+) -> Sampled:
+    """Sample one response per row of ``prompt_ids`` (repeat rows for n > 1)."""
+    n = prompt_ids.shape[0]
+    mask = prompt_mask.long()
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
+    cache = cache_of(out)
+    logits = out.logits[:, -1]
+    next_pos = mask.sum(-1, keepdim=True)
+    ids = torch.full((n, max_tokens), pad_id, dtype=torch.long)
+    lps = torch.zeros((n, max_tokens), dtype=torch.float32)
+    done = torch.zeros(n, dtype=torch.bool)
+    resp_mask = torch.zeros((n, max_tokens), dtype=torch.bool)
+    for t in range(max_tokens):
+        proc = process_logits(logits, sp)
+        logp = F.log_softmax(proc, dim=-1)
+        if sp.greedy:
+            tok = proc.argmax(-1)
+        else:
+            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        live = ~done
+        ids[:, t] = torch.where(live, tok, torch.full_like(tok, pad_id))
+        lps[:, t] = torch.where(live, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), torch.zeros_like(lps[:, t]))
+        resp_mask[:, t] = live
+        done = done | (tok == eos_id)
+        if bool(done.all()) or t == max_tokens - 1:
+            break
+        mask = torch.cat([mask, live.long().unsqueeze(-1)], dim=-1)
+        out = model(
+            input_ids=ids[:, t : t + 1], attention_mask=mask, position_ids=next_pos, use_cache=True, **{cache_kwarg(model): cache}
+        )
+        cache = cache_of(out)
+        logits = out.logits[:, -1]
+        next_pos = next_pos + 1
+    return Sampled(ids, resp_mask, lps)

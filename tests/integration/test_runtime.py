@@ -1,0 +1,152 @@
+"""The runtime for real: Ray actors, torch.distributed (gloo), FSDP2, HF generation.
+
+They share one local Ray cluster (see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+from helpers import EXAMPLES
+
+from flowc.errors import DataError, SpecError, WorkerError
+from flowc.ir.run_config import RunConfig
+from flowc.loader import load_flow
+from flowc.run import RunRequest, prepare, run
+from flowc.runtime.controller import Controller
+
+
+def request(tmp_path: Path, flow: str = "grpo", **kw) -> RunRequest:
+    base = dict(
+        flow=load_flow(str(EXAMPLES / f"{flow}.py")),
+        overrides={},
+        models={},
+        data=None,
+        eval_data=None,
+        rewards={},
+        cluster="local",
+        workload=None,
+        steps=3,
+        out=str(tmp_path / "run"),
+        resume=None,
+        rollout=None,
+        pins=[],
+        config=RunConfig(steps=3, eval_every=3, eval_size=64, checkpoint_every=0),
+    )
+    base.update(kw)
+    return RunRequest(**base)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_default_grpo_runs_and_writes_the_run_directory(ray_cluster, tmp_path):
+    out = run(request(tmp_path), progress=False)
+    for name in ("plan.json", "plan.html", "program.txt", "metrics.jsonl"):
+        assert (out / name).exists(), name
+    rows = metrics(out)
+    steps = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    last = steps[-1]
+    for key in (
+        "reward",
+        "reward_std",
+        "accuracy",
+        "actor/kl",
+        "actor/pg_loss",
+        "actor/entropy",
+        "response_length",
+        "tokens_per_s",
+        "step_s",
+        "eval/accuracy",
+    ):
+        assert key in last, key
+    assert set(last["measured_s"]) == set(last["predicted_s"])
+    assert last["actor/sync_bytes_per_device"] > 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    assert model.config.hidden_size == 128 and tok.eos_token == "</s>"
+    from flowc.report import draw
+
+    assert draw(out).stat().st_size > 10_000
+
+
+def test_rollout_engine_matches_the_trainer_after_sync(ray_cluster, tmp_path):
+    spec, _ = prepare(request(tmp_path))
+    ctl = Controller(spec)
+    try:
+        ctl.start()
+        for s in range(2):
+            ctl.run_step(s)
+        assert ctl.sync_error("actor") < 1e-5
+    finally:
+        ctl.shutdown()
+
+
+def test_resume_continues_as_if_never_interrupted(ray_cluster, tmp_path):
+    cfg = RunConfig(steps=4, eval_every=0, checkpoint_every=2, seed=3)
+    whole = run(request(tmp_path / "a", steps=4, config=cfg, out=str(tmp_path / "a")), progress=False)
+    half = run(request(tmp_path / "b", steps=2, config=cfg, out=str(tmp_path / "b")), progress=False)
+    assert (half / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    resumed = run(request(tmp_path / "b", steps=4, config=cfg, resume=str(half), out=None), progress=False)
+    a = [r for r in metrics(whole) if "reward" in r]
+    b = [r for r in metrics(resumed) if "reward" in r]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b, strict=True):
+        assert x["reward"] == y["reward"]
+        assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], abs=1e-6)
+        assert x["actor/kl"] == pytest.approx(y["actor/kl"], abs=1e-6)
+
+
+def test_a_killed_worker_is_a_typed_error(ray_cluster, tmp_path):
+    spec, _ = prepare(request(tmp_path))
+    ctl = Controller(spec)
+    try:
+        ctl.start()
+        ctl.run_step(0)
+        group = next(iter(ctl.groups.values()))
+        ray.kill(group.workers[1])
+        with pytest.raises(WorkerError) as info:
+            ctl.run_step(1)
+        assert "died" in info.value.what and "actor" in info.value.what
+    finally:
+        ctl.shutdown()
+    assert not ctl.groups
+
+
+def test_bad_inputs_fail_with_a_clear_error(ray_cluster, tmp_path):
+    with pytest.raises(SpecError, match=r"no config\.json"):
+        prepare(request(tmp_path, models={"actor": str(tmp_path)}))
+    small = tmp_path / "small-vocab"
+    small.mkdir()
+    from flowc.tasks.arithmetic import asset_dir
+
+    cfg = json.loads((asset_dir() / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": 8}))
+    with pytest.raises(SpecError, match="has no tokenizer files"):
+        prepare(request(tmp_path, models={"actor": str(small)}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (small / f).write_text((asset_dir() / f).read_text())
+    with pytest.raises(SpecError, match=r"has \d+ tokens but actor's model .* vocabulary of 8"):
+        prepare(request(tmp_path, models={"actor": str(small)}))
+    bad = tmp_path / "data.jsonl"
+    bad.write_text('{"question": "1+1=", "answer": "2"}\n')
+    with pytest.raises(DataError, match="no 'prompt' column"):
+        prepare(request(tmp_path, data=str(bad), rewards={"reward": "flowc.tasks.arithmetic:exact_match"}))
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    with pytest.raises(SpecError, match="has no function"):
+        prepare(request(tmp_path, data=str(good)))
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(
+        "def boom(prompts, responses, answer):\n    raise ValueError('no')\n\ndef short(prompts, responses, **kw):\n    return [1.0]\n"
+    )
+    with pytest.raises(DataError, match="raised ValueError"):
+        run(request(tmp_path, data=str(good), rewards={"reward": f"{rewards}:boom"}, steps=1), progress=False)
+    with pytest.raises(DataError, match="returned \\(1,\\) scores for 128 responses"):
+        run(request(tmp_path, data=str(good), rewards={"reward": f"{rewards}:short"}, steps=1), progress=False)

@@ -1,0 +1,96 @@
+"""A Ray cluster of two nodes on this machine: the plan's pool spans both and the run completes.
+
+The nodes are started with `ray start` (a head and a second node joining it)
+in a private temp dir, so stopping them touches nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import EXAMPLES, ROOT
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _ray(*args: str, env: dict) -> None:
+    ray_bin = Path(sys.executable).parent / "ray"
+    subprocess.run([str(ray_bin), *args], check=True, capture_output=True, text=True, env=env, timeout=180)
+
+
+def _stop(temp_dir: str) -> None:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    for line in out.splitlines()[1:]:
+        pid, _, cmd = line.strip().partition(" ")
+        if temp_dir in cmd:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+@pytest.mark.slow
+def test_pools_land_on_both_nodes(tmp_path):
+    temp_dir = f"/tmp/flowc-2n-{os.getpid()}"
+    port = _free_port()
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "disabled"}
+    try:
+        _ray(
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            f"--temp-dir={temp_dir}",
+            "--include-dashboard=false",
+            '--resources={"flowc_node_a": 1}',
+            env=env,
+        )
+        _ray("start", f"--address=127.0.0.1:{port}", "--num-cpus=1", '--resources={"flowc_node_b": 1}', env=env)
+        time.sleep(2)
+        out = tmp_path / "run"
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flowc.cli",
+                "run",
+                str(EXAMPLES / "grpo.py"),
+                "--cluster",
+                f"127.0.0.1:{port}",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+                "-q",
+                "--workload",
+                "prompts=8,prompt_len=8,response_len=6",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        plan = json.loads((out / "plan.json").read_text())
+        assert plan["cluster"]["nodes"] == 2
+        placement = json.loads((out / "placement.json").read_text())
+        nodes = {w["node_id"] for workers in placement.values() for w in workers}
+        assert len(nodes) == 2, placement
+        spanning = [p for p in plan["pools"] if p["nodes"] == 2]
+        assert spanning, "no pool spans both nodes"
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == 2
+    finally:
+        _stop(temp_dir)

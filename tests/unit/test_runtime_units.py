@@ -1,0 +1,126 @@
+"""Runtime pieces that need no cluster: lowering, rows, data, rewards, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EXAMPLES
+
+from flowc.errors import DataError, PlanError
+from flowc.ir.cluster import ClusterSpec
+from flowc.ir.models import ModelSpec
+from flowc.ir.plan import Plan
+from flowc.ir.sampling import SamplingParams
+from flowc.ir.workload import WorkloadSpec
+from flowc.loader import load_flow
+from flowc.passes.pins import pins_from_plan
+from flowc.passes.pipeline import make_plan
+from flowc.runtime.batches import Sharded, cat_rows, even_split, repeat_rows, slice_rows
+from flowc.runtime.data import Records, call_reward, tokenize_prompts
+from flowc.runtime.program import lower
+from flowc.runtime.sampling import process_logits
+from flowc.tasks import arithmetic as arith
+
+
+def planned(flow: str, cluster: str = "1x8xH100", model: str = "qwen2.5-7b"):
+    g = load_flow(str(EXAMPLES / f"{flow}.py")).trace()
+    m = ModelSpec.resolve(model)
+    plan, pg, _ = make_plan(
+        g, {r: m for r, i in g.roles.items() if i.kind != "reward"}, ClusterSpec.parse(cluster), WorkloadSpec(prompts=64)
+    )
+    return g, plan, pg
+
+
+def test_lowering_lists_groups_engines_and_steps():
+    _, plan, pg = planned("ppo", "2x8xH100")
+    prog = lower(plan, pg)
+    ops = [s.op for s in prog.steps]
+    assert ops.count("update") == 2 and "weight_sync" in ops and ops[0] == "input"
+    assert sum(gr.size for gr in prog.groups) == 16
+    engines = {(e.role, e.engine) for gr in prog.groups for e in gr.engines}
+    assert {("actor", "train"), ("actor", "rollout"), ("critic", "train"), ("ref", "forward"), ("rm", "forward")} <= engines
+    for s in prog.steps:
+        assert (s.group is None) == (s.op in ("input", "reward", "compute"))
+    text = str(prog)
+    assert "program ppo" in text and "weight_sync" in text
+
+
+def test_saved_plan_relowers_to_the_same_program():
+    g, plan, pg = planned("grpo")
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    # a saved plan, re-planned with its decisions pinned, lowers to the same program
+    replan, pg2, _ = make_plan(
+        g,
+        {r: ModelSpec.resolve("qwen2.5-7b") for r in ("actor", "ref")},
+        ClusterSpec.parse("1x8xH100"),
+        WorkloadSpec(prompts=64),
+        pins_from_plan(again),
+    )
+    assert str(lower(again, pg2)) == str(lower(plan, pg)) == str(lower(replan, pg2))
+
+
+def test_lowering_needs_the_planned_graph():
+    g, plan, _ = planned("grpo")
+    with pytest.raises(PlanError, match="planned graph"):
+        lower(plan, g)
+
+
+def test_rows_slice_join_repeat():
+    x = torch.arange(12).view(6, 2)
+    assert torch.equal(cat_rows([slice_rows(x, 0, 2), slice_rows(x, 2, 6)]), x)
+    assert even_split(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert repeat_rows(["a", "b"], 2) == ["a", "a", "b", "b"]
+    s = Sharded(("r0", "r1"), (3, 4))
+    pieces = s.pieces(2, 5)
+    assert [(p.ref, p.lo, p.hi) for p in pieces] == [("r0", 2, 3), ("r1", 0, 2)]
+    assert s.project("response_mask").pieces(0, 1)[0].path == ("response_mask",)
+
+
+def test_records_are_deterministic_per_step():
+    rows = [{"prompt": str(i)} for i in range(10)]
+    r = Records(rows)
+    assert r.batch(3, 4, seed=1) == r.batch(3, 4, seed=1)
+    first_epoch = [x["prompt"] for s in range(5) for x in r.batch(s, 2, seed=1)]
+    assert sorted(first_epoch) == sorted(x["prompt"] for x in rows)  # an epoch visits every row once
+    with pytest.raises(DataError, match="no 'prompt' column"):
+        Records([{"question": "1+1="}])
+
+
+def test_prompts_too_long_are_an_error():
+    tok = arith.build_tokenizer()
+    pb = tokenize_prompts(tok, ["1+2=", "12+34="], 8)
+    assert pb.input_ids.shape == (2, 8) and not bool(pb.attention_mask[0, 0])
+    with pytest.raises(DataError, match="longer than the workload's prompt_len"):
+        tokenize_prompts(tok, ["12+34="], 4)
+
+
+def test_reward_functions_are_checked():
+    assert call_reward(arith.exact_match, "em", ["1+1="], ["2"], {"answer": ["2"]}).tolist() == [1.0]
+
+    def raises(prompts, responses):
+        raise KeyError("answer")
+
+    with pytest.raises(DataError, match="reward function bad raised KeyError"):
+        call_reward(raises, "bad", ["p"], ["r"], {})
+    with pytest.raises(DataError, match="returned \\(2,\\) scores for 1 responses"):
+        call_reward(lambda p, r: [1.0, 2.0], "two", ["p"], ["r"], {})
+    with pytest.raises(DataError, match="not a sequence of numbers"):
+        call_reward(lambda p, r: None, "none", ["p"], ["r"], {})
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    top1 = process_logits(logits, SamplingParams(top_k=1))
+    assert torch.isinf(top1[0, 1:]).all() and torch.isfinite(top1[0, 0])
+    nucleus = process_logits(logits, SamplingParams(top_p=0.7))
+    assert torch.isfinite(nucleus[0, :2]).all() and torch.isinf(nucleus[0, 2:]).all()
+    hot = process_logits(logits, SamplingParams(temperature=2.0))
+    assert torch.allclose(hot, logits / 2)
+
+
+def test_task_split_is_disjoint_and_fixed():
+    train, held = arith.split()
+    assert len(held) == 1000 and len(train) + len(held) == 20000
+    assert not {p.prompt for p in train} & {p.prompt for p in held}
+    assert arith.split()[1] == held
