@@ -23,13 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	@for f in examples/grpo.py examples/ppo.py examples/rloo.py examples/remax.py; do \
-		echo "== flowc graph $$f"; $(VENV)/bin/flowc graph $$f || exit 1; echo; done
-	@echo "== flowc plan examples/grpo.py  (the built-in tiny model on this machine's CPU cores)"
-	@$(VENV)/bin/flowc plan examples/grpo.py --workload prompts=16,prompt_len=8,response_len=8
-	@echo "== flowc plan examples/ppo.py --model actor=llama-3.1-70b --cluster 16x8xH100"
-	@$(VENV)/bin/flowc plan examples/ppo.py --model actor=llama-3.1-70b --cluster 16x8xH100
-	@$(VENV)/bin/flowc export examples/ppo.py --model actor=llama-3.1-70b --cluster 16x8xH100 --format html -o ppo-plan.html
+	rm -rf runs/default
+	$(VENV)/bin/flowc run examples/grpo.py --out runs/default
+	$(VENV)/bin/flowc report runs/default
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

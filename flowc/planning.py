@@ -12,6 +12,7 @@ from flowc.ir.cluster import ClusterSpec
 from flowc.ir.graph import FlowGraph
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Plan
+from flowc.ir.run_config import compute_dtype
 from flowc.ir.workload import WorkloadSpec
 from flowc.passes.pins import Pins, parse_pins, pins_from_plan
 
@@ -104,6 +105,10 @@ def build_request(
             wl = WorkloadSpec(**saved.workload)
     models, notes = resolve_models(g, given)
     cl = ClusterSpec.parse(cluster) if cluster is not None else (cl if saved else ClusterSpec.parse("local"))
+    dtype = compute_dtype("auto", cl.profile.kind)
+    if any(m.dtype != dtype for m in models.values()):
+        models = {r: m.model_copy(update={"dtype": dtype}) for r, m in models.items()}
+        notes = [*(notes or []), f"models priced in {dtype}, the dtype flowc run computes in on {cl.profile.kind.upper()}s"]
     wl = WorkloadSpec.parse(workload) if workload is not None else (wl if saved else WorkloadSpec())
     return PlanRequest(models, cl, wl, pins, saved, notes)
 

@@ -168,8 +168,8 @@ def check_tokenizer(tokenizer: str, sources: dict[str, str]) -> None:
 
 def cluster_of(address: str) -> tuple[ClusterSpec, str | None, bool]:
     """(the cluster to plan for, the Ray address to join or None, GPUs?)."""
-    if address == "local":
-        return ClusterSpec.local(), None, False
+    if address == "local" or address.startswith("local:"):
+        return ClusterSpec.parse(address), None, False
     import ray
 
     from flowc.runtime.controller import init_ray
@@ -202,16 +202,14 @@ def cluster_of(address: str) -> tuple[ClusterSpec, str | None, bool]:
 
 
 def runtime_pins(g: FlowGraph, rollout: str | None) -> Pins:
+    """Pins that keep the plan within what the runtime's backends execute."""
+    from flowc.ir.ops import PHASE_OF_OP
+
     words = []
     for role, info in g.roles.items():
         if info.kind == "reward":
             continue
-        phases = {"train", "forward"} if info.kind in ("policy", "critic") else {"forward"}
-        if info.kind == "policy":
-            phases.add("generate")
-        for ph in sorted(phases):
-            if info.kind not in ("policy", "critic") and ph == "train":
-                continue
+        for ph in sorted({PHASE_OF_OP[n.op] for n in g.nodes_of_role(role) if n.op in PHASE_OF_OP}):
             words += [f"{role}.{ph}.{x}" for x in RUNTIME_PINS[ph]]
             if ph == "generate":
                 words.append(f"{role}.generate.backend={rollout or 'hf'}")
@@ -222,7 +220,6 @@ def runtime_pins(g: FlowGraph, rollout: str | None) -> Pins:
 def prepare(req: RunRequest):
     """Trace, resolve inputs, plan and lower; returns everything the controller needs."""
     from flowc.passes.pipeline import make_plan
-    from flowc.planning import resolve_models
     from flowc.runtime.controller import RunSpec
     from flowc.runtime.data import Records
     from flowc.runtime.program import lower
@@ -273,10 +270,21 @@ def prepare(req: RunRequest):
     wl = WorkloadSpec.parse(
         req.workload if req.workload else (BUILTIN_WORKLOAD if builtin else "prompts=16,prompt_len=256,response_len=256")
     )
-    specs = {r: ModelSpec.resolve(src) for r, src in sources.items()}
-    _, _ = resolve_models(g, {})  # the planner's defaults are the same: every role has a model here
+    dtype = req.config.dtype_on(cluster.profile.kind)  # price the dtype the run computes in
+    specs = {r: ModelSpec.resolve(src).model_copy(update={"dtype": dtype}) for r, src in sources.items()}
     pins = runtime_pins(g, req.rollout).merged(parse_pins(req.pins))
-    plan, planned, _ = make_plan(g, specs, cluster, wl, pins)
+    # on this machine's CPUs, how many worker processes to split the cores into is a decision too:
+    # plan every split and keep the fastest
+    candidates = [cluster]
+    if req.cluster == "local":
+        cores = os.cpu_count() or 1
+        candidates = [ClusterSpec.local(d) for d in range(1, cores + 1) if cores % d == 0]
+    best = None
+    for c in candidates:
+        plan, planned, _ = make_plan(g, specs, c, wl, pins)
+        if best is None or plan.predicted.step_time_s < best[0].predicted.step_time_s:
+            best = (plan, planned, c)
+    plan, planned, cluster = best
     program = lower(plan, planned)
     cfg = req.config
     if builtin and "steps" not in cfg.model_fields_set:
@@ -285,6 +293,8 @@ def prepare(req: RunRequest):
         cfg = cfg.model_copy(update={"eval_every": BUILTIN_EVAL_EVERY})
     if req.steps:
         cfg = cfg.model_copy(update={"steps": req.steps})
+    if cluster.device == "cpu" and "cpus_per_worker" not in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"cpus_per_worker": float(cluster.cores_per_device)})
     spec = RunSpec(program, plan, planned, cfg, wl, sources, tokenizer, data, eval_data, rewards, names, out, gpus)
     return spec, address
 

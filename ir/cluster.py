@@ -38,6 +38,8 @@ class ClusterSpec(BaseModel):
         intra_node_gb_s: override of the profile's per-device NVLink bandwidth.
         inter_node_gb_s: override of the profile's per-node network bandwidth.
         memory_gb: override of the profile's device memory.
+        cores_per_device: CPU clusters: cores each device (worker process)
+            uses; its compute, bandwidth and memory scale with them.
         name: how the cluster is shown (defaults to the shorthand).
     """
 
@@ -48,6 +50,7 @@ class ClusterSpec(BaseModel):
     intra_node_gb_s: float | None = Field(None, gt=0)
     inter_node_gb_s: float | None = Field(None, gt=0)
     memory_gb: float | None = Field(None, gt=0)
+    cores_per_device: int = Field(1, ge=1)
     name: str = ""
 
     @model_validator(mode="after")
@@ -66,6 +69,17 @@ class ClusterSpec(BaseModel):
     def profile(self) -> HardwareProfile:
         """The device profile with this cluster's overrides applied."""
         p = get_profile(self.device)
+        if p.kind == "cpu" and self.cores_per_device > 1:
+            k = self.cores_per_device
+            scale = k * p.multicore_efficiency
+            p = p.model_copy(
+                update={
+                    "peak_tflops": p.peak_tflops * scale,
+                    "mem_bw_tb_s": p.mem_bw_tb_s * scale,
+                    "memory_gb": p.memory_gb * k,
+                    "devices_per_node": max(p.devices_per_node // k, 1),
+                }
+            )
         upd = {
             k: v
             for k, v in {
@@ -81,10 +95,14 @@ class ClusterSpec(BaseModel):
         return self.name
 
     @classmethod
-    def local(cls, cpus: int | None = None) -> ClusterSpec:
-        """This machine: one CPU device per core."""
-        n = cpus or os.cpu_count() or 1
-        return cls(device="cpu", nodes=1, devices_per_node=n, name=f"local ({n} CPU cores)")
+    def local(cls, devices: int | None = None) -> ClusterSpec:
+        """This machine's CPUs as ``devices`` workers (default: one per core),
+        each using an equal share of the cores."""
+        cores = os.cpu_count() or 1
+        n = max(1, min(devices or cores, cores))
+        per = cores // n
+        name = f"local ({n} CPU workers x {per} cores)" if per > 1 else f"local ({n} CPU cores)"
+        return cls(device="cpu", nodes=1, devices_per_node=n, cores_per_device=per, name=name)
 
     @classmethod
     def parse(cls, text: str) -> ClusterSpec:
@@ -92,6 +110,8 @@ class ClusterSpec(BaseModel):
         t = text.strip()
         if t.lower() == "local":
             return cls.local()
+        if t.lower().startswith("local:") and t[6:].isdigit():
+            return cls.local(int(t[6:]))
         p = Path(t).expanduser()
         if p.suffix in (".yaml", ".yml", ".json") or p.is_file():
             if not p.is_file():
@@ -112,7 +132,7 @@ class ClusterSpec(BaseModel):
         if not m:
             raise SpecError(
                 f"cannot read cluster {text!r}",
-                fix="write local, NODESxDEVICESxTYPE (e.g. 16x8xA100-80GB, 2x8xH100), DEVICESxTYPE (8xH200), or a YAML file",
+                fix="write local (or local:N for N CPU workers), NODESxDEVICESxTYPE (e.g. 16x8xA100-80GB, 2x8xH100), DEVICESxTYPE (8xH200), or a YAML file",
             )
         nodes = int(m.group(1) or 1)
         per = int(m.group(2))

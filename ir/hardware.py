@@ -65,6 +65,11 @@ class HardwareProfile(BaseModel):
             token count) equals these runs at half the calibrated rate — GPUs
             need wide, tall GEMMs; CPUs saturate much sooner.
         host_link_gb_s: host↔device bandwidth per device (offload; GB/s).
+        comm_overlap: the fraction of data-parallel communication (FSDP's
+            gathers, gradient reduction) hidden under compute — GPUs run
+            NCCL on their own engines; on CPUs the two compete for the cores.
+        multicore_efficiency: CPU devices of several cores: the fraction of
+            linear scaling each added core brings.
         host_memory_gb: host memory per node that offloaded states may use
             (GB); 0 disables offload (CPU devices: the host is the device).
         efficiency: achieved fractions (see :class:`Efficiency`).
@@ -88,6 +93,8 @@ class HardwareProfile(BaseModel):
     gemm_half_tokens: float = Field(64.0, gt=0)
     host_link_gb_s: float = Field(25.0, gt=0)
     host_memory_gb: float = Field(0.0, ge=0)
+    multicore_efficiency: float = Field(1.0, gt=0, le=1)
+    comm_overlap: float = Field(0.8, ge=0, le=1)
     efficiency: Efficiency
     sources: dict[str, str] = {}
 

@@ -68,6 +68,10 @@ class RunConfig(BaseModel):
     def optim_for(self, role: str) -> OptimConfig:
         return self.optim.get(role, self.default_optim)
 
+    def dtype_on(self, kind: str) -> str:
+        """The dtype the runtime trains and generates in on ``kind`` (``gpu``/``cpu``) devices."""
+        return compute_dtype(self.dtype, kind)
+
     @classmethod
     def load(cls, path: str | Path) -> tuple[RunConfig, dict[str, Any]]:
         """A YAML config file: RunConfig fields, plus the keys `flowc run`
@@ -89,3 +93,11 @@ class RunConfig(BaseModel):
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"])
             raise SpecError(f"config {p}: {loc}: {err['msg']}", fix=f"fields: {', '.join(cls.model_fields)}") from e
+
+
+def compute_dtype(dtype: str, kind: str) -> str:
+    """``auto`` resolved: bfloat16 on GPUs, float32 on CPUs (whose bf16 kernels are slow or missing).
+    The planner prices models in this dtype, so a plan's bytes are the bytes the run moves."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if kind == "gpu" else "float32"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from flowc.ir.graph import FlowGraph
@@ -16,7 +18,7 @@ from flowc.ir.plan import (
     RolePlan,
     ScheduleEntry,
 )
-from flowc.passes.costs import Hw, PhaseCost
+from flowc.passes.costs import Hw, MemoryGB, PhaseCost
 from flowc.passes.flops import forward_flops, useful_train_flops
 from flowc.passes.manager import PlanContext
 from flowc.passes.pools import PoolChoice
@@ -70,12 +72,9 @@ def ranges(ids: list[int]) -> str:
     return ",".join(parts)
 
 
-def _mem_with(m: Memory, other: float) -> Memory:
-    return m.model_copy(update={"other_roles": round(other, 4)})
-
-
-def _round_mem(m: Memory) -> Memory:
-    return Memory(**{k: round(v, 4) for k, v in m.model_dump().items()})
+def _plan_mem(m: MemoryGB, other: float) -> Memory:
+    """The plan's memory record of a phase: its own categories plus what the roles it shares devices with hold."""
+    return replace(m, other_roles=other).to_plan()
 
 
 def build(g: FlowGraph, ctx: PlanContext, cand: Candidate) -> dict:
@@ -112,20 +111,20 @@ def build(g: FlowGraph, ctx: PlanContext, cand: Candidate) -> dict:
                     mem = max((c.memory for _, c in items), key=lambda m: m.total)
                     if phase == "forward" and unit.trainable:  # the training state stays while it runs forward
                         tr = opt.op_costs[unit.update_op].memory
-                        mem = mem.model_copy(update={"weights": tr.weights, "gradients": tr.gradients, "optimizer": tr.optimizer})
-                    mem = _round_mem(_mem_with(mem, other))
+                        mem = replace(mem, weights=tr.weights, gradients=tr.gradients, optimizer=tr.optimizer)
+                    plan_mem = _plan_mem(mem, other)
                     mfu = max((c.mfu for _, c in items), default=0.0)
-                    roles.setdefault(unit.role, {})[phase] = _phase(name, choice.devices, devs, lay, mem, cap, items, 1, mfu)
+                    roles.setdefault(unit.role, {})[phase] = _phase(name, choice.devices, devs, lay, plan_mem, cap, items, 1, mfu)
             if u in choice.gens:
                 gc = choice.gens[u]
                 items = list(gc.op_costs.items())
                 mem = max((c.memory for _, c in items), key=lambda m: m.total)
                 if gc.reshard is not None:  # co-located: the training state stays, the engine adds its weights
-                    mem = mem.model_copy(update={"weights": gc.weights_gb})
-                mem = _round_mem(_mem_with(mem, 0.0 if gc.swapped else choice.resident_gb))
+                    mem = replace(mem, weights=gc.weights_gb)
+                plan_mem = _plan_mem(mem, 0.0 if gc.swapped else choice.resident_gb)
                 waves = max(c.waves for _, c in items)
                 roles.setdefault(unit.role, {})["generate"] = _phase(
-                    name, choice.devices, devs, gc.layout, mem, cap, items, waves, 0.0
+                    name, choice.devices, devs, gc.layout, plan_mem, cap, items, waves, 0.0
                 )
         pools.append(
             PoolPlan(
@@ -203,7 +202,8 @@ def build(g: FlowGraph, ctx: PlanContext, cand: Candidate) -> dict:
         mfu=round(flops / (step_s * world * hw.peak), 4) if step_s else 0.0,
     )
     role_plans = {}
-    for r, phases in roles.items():
+    for r in (r for r in g.roles if r in roles):  # the flow's own role order, whatever the pools' order
+        phases = roles[r]
         m = ctx.models[r]
         order = {"train": 0, "forward": 1, "generate": 2}
         role_plans[r] = RolePlan(

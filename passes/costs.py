@@ -11,7 +11,8 @@ efficiency) so the formulas below read as "bytes / bandwidth".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, make_dataclass
 
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.hardware import Efficiency
@@ -20,7 +21,7 @@ from flowc.ir.plan import Layout, Memory
 from flowc.passes.flops import Demand, attention_flops_per_token, forward_flops, matmul_params, train_flops, useful_train_flops
 
 GB = 1e9
-ACT_BYTES_PER_TOKEN_HIDDEN = 34.0  # Korthikanti et al. 2022, per layer, with flash attention and sequence parallelism
+ACT_BYTES_PER_TOKEN_HIDDEN = 34.0  # Korthikanti et al. 2022, per layer, bf16, with flash attention and sequence parallelism
 CKPT_BYTES_PER_TOKEN_HIDDEN = 2.0  # a checkpointed layer keeps only its bf16 input
 CPU_ADAM_PARAMS_PER_S = 1.0e9  # host-side Adam throughput per device share (assumption, see docs/planner.md)
 FIXED_BUFFERS_GB = {"gpu": 1.0, "cpu": 0.1}  # CUDA graphs / NCCL / sampler workspaces
@@ -42,6 +43,7 @@ class Hw:
     host: float  # B/s host link
     half_width: float  # GEMM width at half efficiency
     half_tokens: float  # GEMM token count at half efficiency
+    overlap: float  # fraction of data-parallel communication hidden under compute
     eff: Efficiency
     nodes: int = 1
     host_per_device_gb: float = 0.0  # host memory offloaded states may use, per device
@@ -62,6 +64,7 @@ class Hw:
             host=p.host_link_gb_s * GB,
             half_width=p.gemm_half_width,
             half_tokens=p.gemm_half_tokens,
+            overlap=p.comm_overlap,
             eff=p.efficiency,
             nodes=cluster.nodes,
             host_per_device_gb=0.8 * p.host_memory_gb / p.devices_per_node,
@@ -130,11 +133,30 @@ def params_per_device(m: ModelSpec, lay: Layout, *, sharded_over_dp: bool | None
 
 
 # ------------------------------------------------------------------ memory
-_MEM_ZERO = {k: 0.0 for k in Memory.model_fields}
+def _memory_total(self) -> float:
+    return sum(_MEMORY_VALUES(self))
 
 
-def _memory(**kw: float) -> Memory:
-    return Memory.model_construct(**{**_MEM_ZERO, **kw})
+def _memory_to_plan(self) -> Memory:
+    return Memory(**{f: round(getattr(self, f), 4) for f in MEMORY_CATEGORIES})
+
+
+MEMORY_CATEGORIES = tuple(Memory.model_fields)
+_MEMORY_VALUES = operator.attrgetter(*MEMORY_CATEGORIES)
+# GB per device by category while the cost model works: a plain record with the plan's Memory
+# categories (it is built for every layout tried, so not a pydantic model); ``to_plan`` turns the
+# chosen one into the plan's Memory.
+MemoryGB = make_dataclass(
+    "MemoryGB",
+    [(f, float, field(default=0.0)) for f in MEMORY_CATEGORIES],
+    frozen=True,
+    slots=True,
+    namespace={"total": property(_memory_total), "to_plan": _memory_to_plan},
+)
+
+
+def _memory(**kw: float) -> MemoryGB:
+    return MemoryGB(**kw)
 
 
 @dataclass(frozen=True)
@@ -142,7 +164,7 @@ class PhaseCost:
     """What one role costs in one phase with one layout."""
 
     time: float
-    memory: Memory  # GB per device; resident + this phase's transient
+    memory: MemoryGB  # GB per device; resident + this phase's transient
     resident_gb: float  # stays on the device while other phases run
     mfu: float = 0.0
     waves: int = 1
@@ -150,8 +172,20 @@ class PhaseCost:
     host_gb: float = 0.0  # offloaded state in host memory
 
 
-def _tokens_per_micro(lay: Layout, seq_len: float) -> float:
-    return lay.micro_batch * seq_len / lay.cp
+def replica_sequences(d: Demand, lay: Layout, *, train: bool) -> float:
+    """Sequences one data-parallel replica processes per pass (per optimizer update when ``train``)."""
+    return d.sequences * d.passes / (d.updates if train else 1) / lay.dp
+
+
+def _tokens_per_micro(lay: Layout, seq_len: float, seqs_per_replica: float) -> float:
+    """Tokens of one micro-batch; a micro-batch never holds more sequences than its replica has."""
+    return min(lay.micro_batch, max(seqs_per_replica, 1.0)) * seq_len / lay.cp
+
+
+def _param_tensors(m: ModelSpec) -> int:
+    """Parameter tensors of a decoder (q, k, v, o, three MLP matrices, two norms per layer; biases when present)."""
+    per_layer = 9 + (3 if m.attention_bias else 0) + (2 if m.qk_norm else 0)
+    return per_layer * m.num_layers + 2 + (0 if m.tie_word_embeddings else 1)
 
 
 def _expert_dp(lay: Layout) -> int:
@@ -166,9 +200,12 @@ def train_state_gb(m: ModelSpec, lay: Layout) -> tuple[float, float, float]:
         w, g, o = 4.0 * p, 4.0 * p, 8.0 * p
         if lay.offload_params:  # CPUOffloadPolicy: params, grads and optimizer live on the host
             return 0.0, 0.0, 0.0
-    else:  # Megatron: bf16 params, fp32 grad buffer, distributed optimizer (fp32 master + m + v) over dp
+    elif lay.backend == "fsdp2":  # replicated data parallelism (DDP): the whole fp32 state on every rank
+        p = params_per_device(m, lay).total
+        w, g, o = 4.0 * p, 4.0 * p, 8.0 * p
+    else:  # Megatron: params in the compute dtype, fp32 grad buffer, distributed optimizer (fp32 master + m + v) over dp
         ps = params_per_device(m, lay)
-        w, g = 2.0 * ps.total, 4.0 * ps.total
+        w, g = m.bytes_per_param * ps.total, 4.0 * ps.total
         o = 12.0 * (ps.dense / (lay.dp * lay.cp) + ps.expert / _expert_dp(lay))
     if lay.offload_optimizer:
         o = 0.0
@@ -188,18 +225,19 @@ def host_state_gb(m: ModelSpec, lay: Layout) -> float:
     return 0.0
 
 
-def activation_gb(m: ModelSpec, lay: Layout, seq_len: float, *, train: bool, logits: bool, micro_batches: int) -> float:
-    """Peak activation GB per device of one micro-batch in flight (× pipeline depth when training)."""
-    t = _tokens_per_micro(lay, seq_len)
+def activation_gb(m: ModelSpec, lay: Layout, t: float, *, train: bool, logits: bool, in_flight: float) -> float:
+    """Peak activation GB per device: ``in_flight`` micro-batches of ``t`` tokens when training (1F1B keeps
+    up to ``pp`` on the first stage), one layer's working set of one micro-batch otherwise."""
     h = m.hidden_size
     layers = math.ceil(m.num_layers / lay.pp)
-    per_layer_full = ACT_BYTES_PER_TOKEN_HIDDEN * t * h / lay.tp
+    wide = m.bytes_per_param / 2.0  # the constants are for bf16 activations
+    per_layer_full = wide * ACT_BYTES_PER_TOKEN_HIDDEN * t * h / lay.tp
     if train:
         if lay.activation_checkpointing:
-            act = CKPT_BYTES_PER_TOKEN_HIDDEN * t * h * layers + per_layer_full
+            act = wide * CKPT_BYTES_PER_TOKEN_HIDDEN * t * h * layers + per_layer_full
         else:
             act = per_layer_full * layers
-        act *= min(lay.pp, max(micro_batches, 1))  # 1F1B: the first stage holds up to pp micro-batches
+        act *= in_flight
     else:
         act = 2 * per_layer_full  # inference keeps a layer's working set
     if logits:  # fp32 logits (+ their gradient when training), vocab-parallel over tp
@@ -209,15 +247,21 @@ def activation_gb(m: ModelSpec, lay: Layout, seq_len: float, *, train: bool, log
 
 def buffers_gb(m: ModelSpec, lay: Layout, hw: Hw) -> float:
     fixed = FIXED_BUFFERS_GB[hw.kind]
-    if lay.fsdp:  # two unsharded layers in flight (current + prefetched), bf16
+    if lay.fsdp:  # two unsharded layers in flight (current + prefetched), in the compute dtype
         layer_params = (m.params_total - m.embedding_params) / m.num_layers
-        fixed += 2 * 2.0 * layer_params / lay.tp / GB
+        fixed += 2 * m.bytes_per_param * layer_params / lay.tp / GB
     return fixed
 
 
 # -------------------------------------------------------------------- time
 def _micro_batches(seqs_per_replica: float, lay: Layout) -> int:
     return max(1, math.ceil(seqs_per_replica / lay.micro_batch))
+
+
+def _in_flight(seqs_per_replica: float, lay: Layout) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at once (1F1B): up to ``pp``, and
+    never more sequences than the replica has, so it only grows with the micro-batch."""
+    return min(float(lay.pp), max(seqs_per_replica / lay.micro_batch, 1.0))
 
 
 def _dp_bw(hw: Hw, lay: Layout) -> float:
@@ -227,16 +271,16 @@ def _dp_bw(hw: Hw, lay: Layout) -> float:
 def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, forward_after: bool = True) -> PhaseCost:
     """Time and memory of ``update`` with layout ``lay`` (``d.updates`` optimizer steps)."""
     devices = lay.world
-    seqs_per_update = d.sequences * d.passes / d.updates
-    seqs_per_dp = seqs_per_update / lay.dp
+    seqs_per_dp = replica_sequences(d, lay, train=True)
     mbs = _micro_batches(seqs_per_dp, lay)
-    t_micro = _tokens_per_micro(lay, d.seq_len)
+    t_micro = _tokens_per_micro(lay, d.seq_len, seqs_per_dp)
     eff = hw.eff.train * (hw.eff.moe_train if m.is_moe else 1.0) * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     flops = train_flops(m, d.tokens, d.seq_len, recompute=lay.activation_checkpointing)
     compute = flops / (devices * hw.peak * eff)
     tokens_per_rank = d.tokens / lay.dp / lay.cp
     layers = m.num_layers / lay.pp
-    h2 = m.hidden_size * 2.0
+    wb = m.bytes_per_param  # compute dtype: activations, gathered weights
+    h2 = m.hidden_size * wb
     # tensor parallel: 4 all-reduce-equivalents per layer (2 fwd, 2 bwd), 2 more when recomputing
     n_tp = (6 if lay.activation_checkpointing else 4) * layers
     tp = 0.0
@@ -245,7 +289,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, fo
     # context parallel: K/V passed around the ring, mostly overlapped with attention
     cp = 0.0
     if lay.cp > 1:
-        kv = 2 * m.num_kv_heads * m.head_dim * 2.0
+        kv = 2 * m.num_kv_heads * m.head_dim * wb
         cp = 0.3 * 3 * layers * (lay.cp - 1) * tokens_per_rank * kv / hw.link(lay.cp, lay.tp)
     # pipeline: fill and drain once per optimizer update, plus activations between stages
     bubble = compute / d.updates * (lay.pp - 1) / mbs * d.updates if lay.pp > 1 else 0.0
@@ -258,16 +302,22 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, fo
     dp = 0.0
     if lay.dp * lay.cp > 1:
         group = lay.dp * lay.cp
-        if lay.fsdp:  # all-gather fwd + bwd (bf16) every micro-batch; grads reduce-scattered (fp32) once per update
-            per_mb = gather_time(ps_full.total * 2.0, group, dp_bw, hw.latency) * 2
-            comm = (per_mb * mbs + gather_time(ps_full.total * 4.0, group, dp_bw, hw.latency)) * d.updates
-            dp = max(comm - 0.8 * compute, 0.1 * comm)
-        else:  # distributed optimizer: reduce-scatter fp32 grads + all-gather bf16 params, per update
+        if lay.fsdp:  # all-gather fwd + bwd (compute dtype) every micro-batch; fp32 grads reduce-scattered once per update
+            groups = m.num_layers + 1  # one collective per layer group and the root
+            per_mb = gather_time(ps_full.total * wb, group, dp_bw, 0.0) * 2 + 2 * groups * hw.latency
+            comm = (per_mb * mbs + gather_time(ps_full.total * 4.0, group, dp_bw, 0.0) + groups * hw.latency) * d.updates
+            # the sharded (DTensor) optimizer step and norm pay a dispatch per parameter tensor
+            dtensor = 2 * _param_tensors(m) * hw.layer_overhead * d.updates
+            dp = max(comm - hw.overlap * compute, (1 - hw.overlap) * comm) + dtensor
+        elif lay.backend == "fsdp2":  # replicated: one all-reduce of the fp32 gradients per update
+            comm = allreduce_time(ps_full.total * 4.0, group, dp_bw, hw.latency) * d.updates
+            dp = comm
+        else:  # distributed optimizer: reduce-scatter fp32 grads + all-gather the params, per update
             comm = (
-                gather_time(ps_full.dense * 6.0, group, dp_bw, hw.latency)
-                + gather_time(ps_full.expert * 6.0, _expert_dp(lay), dp_bw, hw.latency)
+                gather_time(ps_full.dense * (4.0 + wb), group, dp_bw, hw.latency)
+                + gather_time(ps_full.expert * (4.0 + wb), _expert_dp(lay), dp_bw, hw.latency)
             ) * d.updates
-            dp = 0.5 * comm
+            dp = (1 - 0.5 * hw.overlap) * comm  # gradient reduction overlaps only the last micro-batch's backward
     # expert parallel: token dispatch and combine (all-to-all), forward and backward
     ep = 0.0
     if m.is_moe and lay.ep > 1:
@@ -282,12 +332,12 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, fo
         opt = local * 32.0 / (hw.hbm * 0.8) * d.updates
     offload = 0.0
     if lay.offload_params:  # host → device copies of the shards every micro-batch (half hidden by prefetch)
-        offload = 0.5 * local * 2.0 * 2 / hw.host * mbs * d.updates
+        offload = 0.5 * local * wb * 2 / hw.host * mbs * d.updates
     # fixed cost of every micro-batch: kernel launches (GPU) or Python dispatch (CPU), forward and backward
     launch = 3.0 * mbs * d.updates * layers * hw.layer_overhead
     total = compute + tp + cp + bubble + pp_p2p + dp + ep + opt + offload + launch
     w, g, o = train_state_gb(m, lay)
-    act = activation_gb(m, lay, d.seq_len, train=True, logits=logits, micro_batches=mbs)
+    act = activation_gb(m, lay, t_micro, train=True, logits=logits, in_flight=_in_flight(seqs_per_dp, lay))
     buf = buffers_gb(m, lay, hw)
     resident = w + g + o
     mem = _memory(weights=w, gradients=g, optimizer=o, activations=act, buffers=buf)
@@ -312,14 +362,15 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     resident memory); otherwise the training state is resident and counted by
     :func:`train_cost`, so only the transient part is added here."""
     devices = lay.world
-    seqs_per_dp = d.sequences * d.passes / lay.dp
+    seqs_per_dp = replica_sequences(d, lay, train=False)
     mbs = _micro_batches(seqs_per_dp, lay)
-    t_micro = _tokens_per_micro(lay, d.seq_len)
+    t_micro = _tokens_per_micro(lay, d.seq_len, seqs_per_dp)
     eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     compute = forward_flops(m, d.tokens, d.seq_len) / (devices * hw.peak * eff)
     tokens_per_rank = d.tokens / lay.dp / lay.cp
     layers = m.num_layers / lay.pp
-    h2 = m.hidden_size * 2.0
+    wb = m.bytes_per_param  # compute dtype: activations, gathered weights
+    h2 = m.hidden_size * wb
     tp = 0.0
     if lay.tp > 1:
         tp = allreduce_time(tokens_per_rank * h2, lay.tp, hw.link(lay.tp), 0.0) * 2 * layers + 2 * layers * mbs * hw.latency
@@ -341,20 +392,20 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     ps_full = params_per_device(m, lay, sharded_over_dp=False)
     gather = 0.0
     if lay.fsdp and lay.dp * lay.cp > 1:
-        comm = gather_time(ps_full.total * 2.0, lay.dp * lay.cp, _dp_bw(hw, lay), hw.latency) * mbs
-        gather = max(comm - 0.8 * compute, 0.1 * comm)
+        comm = gather_time(ps_full.total * wb, lay.dp * lay.cp, _dp_bw(hw, lay), hw.latency) * mbs
+        gather = max(comm - hw.overlap * compute, (1 - hw.overlap) * comm)
     local = params_per_device(m, lay).total
     offload = 0.0
     if lay.offload_params:
         # frozen roles swap their weights in once per op; FSDP's CPU offload copies them every micro-batch
-        offload = local * 2.0 / hw.host if frozen else 0.5 * local * 2.0 / hw.host * mbs
+        offload = local * wb / hw.host if frozen else 0.5 * local * wb / hw.host * mbs
     launch = mbs * layers * hw.layer_overhead
     total = compute + tp + bubble + ep + gather + offload + launch
-    act = activation_gb(m, lay, d.seq_len, train=False, logits=logits, micro_batches=mbs)
+    act = activation_gb(m, lay, t_micro, train=False, logits=logits, in_flight=1.0)
     buf = buffers_gb(m, lay, hw)
     host = 0.0
     if frozen:  # offloaded weights are on the device only while the op runs
-        w = 2.0 * local / GB
+        w = wb * local / GB
         host = w if lay.offload_params else 0.0
         mem = _memory(weights=w, activations=act, buffers=buf)
         resident = 0.0 if lay.offload_params else w
@@ -373,7 +424,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
 
 
 def generation_weights_gb(m: ModelSpec, lay: Layout) -> float:
-    return 2.0 * params_per_device(m, lay).total / GB
+    return m.bytes_per_param * params_per_device(m, lay).total / GB
 
 
 def kv_bytes_per_token_device(m: ModelSpec, lay: Layout) -> float:
@@ -402,7 +453,11 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
     prefill_flops = forward_flops(m, b * d.prompt_len, d.prompt_len) / lay.tp
     prefill = prefill_flops / (hw.peak * hw.eff.matmul * shape_efficiency(b * d.prompt_len, m.hidden_size / lay.tp, hw))
     if lay.tp > 1:
-        prefill += allreduce_time(b * d.prompt_len * m.hidden_size * 2.0, lay.tp, hw.link(lay.tp), hw.latency) * 2 * m.num_layers
+        prefill += (
+            allreduce_time(b * d.prompt_len * m.hidden_size * m.bytes_per_param, lay.tp, hw.link(lay.tp), hw.latency)
+            * 2
+            * m.num_layers
+        )
     # decode: R steps; each reads the weight shard and the KV cache (memory-bound) or is compute-bound
     steps = d.response_len
     active = b * d.mean_response_len / d.response_len  # mean active sequences over the steps

@@ -16,7 +16,7 @@ from functools import cache
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.ir.workload import WorkloadSpec
-from flowc.passes.costs import GB, Hw, PhaseCost, forward_cost, generation_weights_gb, train_cost
+from flowc.passes.costs import GB, Hw, PhaseCost, forward_cost, generation_weights_gb, replica_sequences, train_cost
 from flowc.passes.flops import Demand
 from flowc.passes.pins import Pins
 from flowc.passes.units import Unit
@@ -163,6 +163,10 @@ class OptionTable:
                                 micro_batch=mb,
                             )
                         )
+                    # replicated data parallelism (DDP): no gathers, every rank holds the whole state
+                    out.append(
+                        _layout(dp=rest, tp=tp, backend="fsdp2", fsdp=False, activation_checkpointing=ckpt, micro_batch=mb)
+                    )
                     # Megatron-core: tp, pp, cp, ep with the distributed optimizer
                     for pp in pp_choices(rest, m.num_layers) if gpu else ():
                         for cp in _powers_dividing(rest // pp, 8 if long_ctx else 1):
@@ -196,6 +200,7 @@ class OptionTable:
             for mb in mbs:
                 for off in (False, True) if gpu else (False,):
                     out.append(_layout(dp=rest, tp=tp, backend="fsdp2", fsdp=True, offload_params=off, micro_batch=mb))
+                out.append(_layout(dp=rest, tp=tp, backend="fsdp2", fsdp=False, micro_batch=mb))  # replicated weights
                 for pp in pp_choices(rest, m.num_layers) if gpu else ():
                     dp = rest // pp
                     eps = [e for e in _powers_dividing(tp * dp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
@@ -231,40 +236,87 @@ class OptionTable:
             return UnitOptions(front=[], tried=len(self.generation_layouts(u, d)))
         m = self.models[u.role]
         logits = u.kind in ("policy", "reference")
+        layouts = self._train_layouts(u, m, d) if u.trainable else self._forward_layouts(u, m, d)
+        if not (self.workload.train_micro_batch if u.trainable else self.workload.forward_micro_batch):
+            layouts = [lay for lay in layouts if self._micro_batch_useful(u, lay)]
+        price = self._trained if u.trainable else self._frozen
+
+        # Device memory grows with the micro-batch and nothing else in a layout changes with it, so
+        # once a layout misses the device at micro-batch m it misses at every larger one: price the
+        # micro-batches in ascending order and stop a layout at its first miss.
+        chains: dict[tuple, list[Layout]] = {}
+        for lay in sorted(layouts, key=lambda lay: lay.micro_batch):
+            chains.setdefault(tuple(v for k, v in lay.__dict__.items() if k != "micro_batch"), []).append(lay)
         priced: list[UnitOption] = []
-        if u.trainable:
-            layouts = self._train_layouts(u, m, d)
-            for lay in layouts:
-                costs: dict[str, PhaseCost] = {}
-                for op, kind in zip(u.ops, u.kinds, strict=True):
-                    dem = self.demand[op]
-                    if kind == "update":
-                        costs[op] = train_cost(m, lay, dem, self.hw, logits=logits)
-                    else:
-                        costs[op] = forward_cost(m, lay, dem, self.hw, logits=logits, frozen=False)
-                train = costs[u.update_op]
-                resident = train.resident_gb
-                transient = max(c.memory.total - c.resident_gb for c in costs.values())
-                lays = {"train": lay, "forward": lay}
-                priced.append(self._option(u, d, lays, costs, resident, transient))
-        else:
-            layouts = self._forward_layouts(u, m, d)
-            for lay in layouts:
-                costs = {op: forward_cost(m, lay, self.demand[op], self.hw, logits=logits, frozen=True) for op in u.ops}
-                resident = max(c.resident_gb for c in costs.values())
-                transient = max(c.memory.total - c.resident_gb for c in costs.values())
-                priced.append(self._option(u, d, {"forward": lay}, costs, resident, transient))
+        misses: list[tuple[list[Layout], int, UnitOption]] = []  # (chain, index of its first miss, its price)
+        for chain in chains.values():
+            for i, lay in enumerate(chain):
+                o = price(u, m, lay, d, logits)
+                priced.append(o)
+                if o.need_gb > self.capacity_gb:
+                    misses.append((chain, i, o))
+                    break
         fits = [o for o in priced if o.fits_alone]
         front = pareto(fits)
         over = [o for o in priced if not o.fits_alone]
         oom = None
         if over and not fits:
-            oom = min(over, key=self.shortfall)  # nothing fits: the nearest miss shows the shortfall
+            # Nothing fits: the nearest miss shows the shortfall; among equally near ones, the smallest
+            # device need, then the fastest.
+            # A larger micro-batch can need exactly as much (the pipeline holds as many sequences
+            # in flight), so each chain is followed while its need does not grow.
+            for chain, i, first in misses:
+                for lay in chain[i + 1 :]:
+                    o = price(u, m, lay, d, logits)
+                    if o.need_gb > first.need_gb:
+                        break
+                    over.append(o)
+            oom = min(over, key=lambda o: (self.shortfall(o), o.need_gb, o.time))
         elif over:
-            faster = [o for o in over if o.time < front[0].time]
-            if faster:  # the nearest miss among the layouts that would have been faster
+            # The nearest miss among the layouts that would have been faster. A chain's misses only
+            # grow with the micro-batch, so its candidates are the first miss faster than the front
+            # and the ones after it that need no more.
+            best = front[0].time
+            for chain, i, first in misses:
+                found = first if first.time < best else None
+                for lay in chain[i + 1 :]:
+                    o = price(u, m, lay, d, logits)
+                    if found is not None and o.need_gb > found.need_gb:
+                        break
+                    over.append(o)
+                    if found is None and o.time < best:
+                        found = o
+            faster = [o for o in over if o.time < best]
+            if faster:
                 oom = min(faster, key=lambda o: (o.need_gb, o.time))
-        return UnitOptions(front=front, oom=oom, tried=len(priced))
+        return UnitOptions(front=front, oom=oom, tried=len(layouts))
+
+    def _micro_batch_useful(self, u: Unit, lay: Layout) -> bool:
+        """False when half this micro-batch already holds every sequence a replica has (same time, more memory)."""
+        if lay.micro_batch == 1:
+            return True
+        most = max(
+            replica_sequences(self.demand[op], lay, train=kind == "update") for op, kind in zip(u.ops, u.kinds, strict=True)
+        )
+        return lay.micro_batch // 2 < most
+
+    def _trained(self, u: Unit, m: ModelSpec, lay: Layout, d: int, logits: bool) -> UnitOption:
+        costs: dict[str, PhaseCost] = {}
+        for op, kind in zip(u.ops, u.kinds, strict=True):
+            dem = self.demand[op]
+            if kind == "update":
+                costs[op] = train_cost(m, lay, dem, self.hw, logits=logits)
+            else:
+                costs[op] = forward_cost(m, lay, dem, self.hw, logits=logits, frozen=False)
+        resident = costs[u.update_op].resident_gb
+        transient = max(c.memory.total - c.resident_gb for c in costs.values())
+        return self._option(u, d, {"train": lay, "forward": lay}, costs, resident, transient)
+
+    def _frozen(self, u: Unit, m: ModelSpec, lay: Layout, d: int, logits: bool) -> UnitOption:
+        costs = {op: forward_cost(m, lay, self.demand[op], self.hw, logits=logits, frozen=True) for op in u.ops}
+        resident = max(c.resident_gb for c in costs.values())
+        transient = max(c.memory.total - c.resident_gb for c in costs.values())
+        return self._option(u, d, {"forward": lay}, costs, resident, transient)
 
     def shortfall(self, o: UnitOption) -> float:
         """How far an option is from fitting (GB over device or host capacity)."""

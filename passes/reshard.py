@@ -60,11 +60,6 @@ def gen_shards(lay: Layout) -> int:
     return lay.tp * lay.pp
 
 
-def weight_bytes(m: ModelSpec) -> float:
-    """Bytes of the weights in the generation dtype (bf16 on GPU)."""
-    return 2.0 * m.params_total
-
-
 def _grid(lay: Layout, generation: bool) -> tuple[int, int]:
     """(layer cuts, tensor cuts) of a layout's shards."""
     if generation:
@@ -84,7 +79,7 @@ def nested(train: Layout, gen: Layout) -> bool:
 def lower_bound_bytes(m: ModelSpec, train: Layout, gen: Layout, colocated: bool) -> float:
     """Bytes a generation device must receive at least: its shard, less the
     part its own training shard already holds."""
-    big_m = weight_bytes(m)
+    big_m = float(m.weight_bytes)
     need = big_m / gen_shards(gen)
     if not colocated:
         return need
@@ -124,14 +119,19 @@ def colocated_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw) -> list[
     training shards in place and hold only what it gathers; FSDP2 keeps fp32
     shards, so the engine holds its own bf16 copy of its shard, sleeping
     through training with it in host memory."""
-    big_m = weight_bytes(m)
+    big_m = float(m.weight_bytes)
     s_t, s_g = train_shards(train), gen_shards(gen)
     devices = train.world
-    own_copy = big_m / s_g / 1e9 if train.fsdp else None
-    wake = big_m / s_g / hw.host if train.fsdp else 0.0
+    # FSDP2 (sharded or replicated) keeps fp32 state: the engine holds its own copy of its shard,
+    # sleeping through training with it in host memory (on GPUs)
+    copy = train.fsdp or train.backend == "fsdp2"
+    own_copy = big_m / s_g / 1e9 if copy else None
+    wake = big_m / s_g / hw.host if copy and hw.kind == "gpu" else 0.0
     out: list[ReshardCost] = []
     if not train.fsdp and (train.pp, train.tp) == (gen.pp, gen.tp):
-        out.append(ReshardCost("in_place", 0.0, 0.0, 0.0, "none", 0.0))
+        # the engine reads the training shard in place (a local copy when it keeps its own)
+        local = big_m / s_g / hw.hbm if copy else 0.0
+        out.append(ReshardCost("in_place", 0.0, 0.0, local, "none", own_copy or 0.0))
     if nested(train, gen) and s_t > s_g:
         k = s_t // s_g
         bw, link = _micro_dp_link(hw, train, gen)
@@ -139,6 +139,8 @@ def colocated_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw) -> list[
         t = gather_time(big_m / s_g, k, bw, hw.latency) + wake
         extra = own_copy if own_copy is not None else per_dev / 1e9
         out.append(ReshardCost("micro_dp_allgather", per_dev, per_dev * devices, t, link, extra))
+    if s_t == 1:
+        return out  # nothing to gather
     crosses = hw.nodes > 1 and devices > hw.node
     bw = min(hw.intra, hw.inter) if crosses else hw.intra
     per_dev = big_m * (s_t - 1) / s_t
@@ -150,7 +152,7 @@ def colocated_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw) -> list[
 
 def separate_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw, *, same_node: bool) -> list[ReshardCost]:
     """Methods available when generation runs on devices of its own."""
-    big_m = weight_bytes(m)
+    big_m = float(m.weight_bytes)
     s_t, s_g = train_shards(train), gen_shards(gen)
     link_bw = hw.intra if same_node else min(hw.intra, hw.inter)
     link = "intra-node" if same_node else "inter-node"

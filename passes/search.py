@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flowc.passes.pools import PoolChoice, PoolTable
-from flowc.passes.reshard import weight_bytes
 from flowc.passes.schedule import OpSpec, SyncSpec, simulate
 
 EXACT_LIMIT = 400_000  # splits scored exactly per co-location
@@ -190,7 +189,7 @@ class Searcher:
                 syncs.append(SyncSpec(sid, upd, (gi,)))
             else:
                 m = self.pt.t.models[unit.role]
-                big_m = weight_bytes(m)
+                big_m = float(m.weight_bytes)
                 senders = np.array([c.devices for c in choices[ti]], dtype=float)
                 sg = np.array([c.gens[u].layout.tp * c.gens[u].layout.pp for c in choices[gi]], dtype=float)
                 dpg = np.array([c.gens[u].layout.dp for c in choices[gi]], dtype=float)

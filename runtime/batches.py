@@ -70,6 +70,17 @@ def even_split(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def minibatch_rows(n: int, mini_batches: int, ranks: int) -> list[list[tuple[int, int]]]:
+    """For each rank, its row ranges — one per mini-batch. Mini-batch k is the
+    same global rows whatever the number of ranks (each rank takes its part of
+    every mini-batch), so an update is the same computation on any layout."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
+    for mlo, mhi in even_split(n, mini_batches):
+        for r, (lo, hi) in enumerate(even_split(mhi - mlo, ranks)):
+            out[r].append((mlo + lo, mlo + hi))
+    return out
+
+
 @dataclass(frozen=True)
 class Piece:
     """Rows ``[lo, hi)`` of the object behind ``ref`` (a shard), then ``path``."""

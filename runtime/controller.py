@@ -29,7 +29,7 @@ from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.targets import resolve
 from flowc.ir.workload import WorkloadSpec
-from flowc.runtime.batches import Piece, Sharded, even_split, num_rows, project
+from flowc.runtime.batches import Piece, Sharded, even_split, minibatch_rows, num_rows, project
 from flowc.runtime.data import Records, RewardFn, call_reward, tokenize_prompts
 from flowc.runtime.program import EngineSpec, Program, Step
 from flowc.runtime.worker import WorkerGroup
@@ -71,7 +71,7 @@ class Controller:
         self.cfg = spec.config
         self.groups: dict[str, WorkerGroup] = {}
         self.tok = AutoTokenizer.from_pretrained(spec.tokenizer)
-        self.dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if spec.gpus else "float32")
+        self.dtype = self.cfg.dtype_on("gpu" if spec.gpus else "cpu")
         self.history: list[dict[str, Any]] = []
         self.placement: dict[str, list[dict[str, Any]]] = {}
 
@@ -237,18 +237,19 @@ class Controller:
             if name in node.kwargs:
                 v = self._value(env, node.kwargs[name])
                 values[name] = self._sharded(v) if isinstance(v, Local) else v
-        per = self._per_rank(values, e.layout.dp)
         w = self.s.workload
-        args = {
+        ranges = minibatch_rows(values["rollout"].rows, w.mini_batches, e.layout.dp)
+        per = [{k: [p for a, b in ranges[r] for p in v.pieces(a, b)] for k, v in values.items()} for r in range(e.layout.dp)]
+        base = {
             "loss": node.kwargs["loss"],
             "kl_coef": float(node.kwargs.get("kl_coef", 0.0)),
             "kl_kind": node.kwargs.get("kl_kind", "low_var_kl"),
             "entropy_coef": float(node.kwargs.get("entropy_coef", 0.0)),
-            "mini_batches": w.mini_batches,
             "epochs": w.epochs,
             "micro": e.layout.micro_batch,
         }
-        out = wg.call("run", per_rank=[(self._key(e), "update", per[r], args) for r in range(wg.size)], num_returns=2)
+        args = [{**base, "mini_sizes": [b - a for a, b in ranges[r]]} for r in range(e.layout.dp)]
+        out = wg.call("run", per_rank=[(self._key(e), "update", per[r], args[r]) for r in range(wg.size)], num_returns=2)
         return [o[1] for o in out]
 
     def _sync(self, st: Step) -> list[Any]:

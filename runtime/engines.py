@@ -145,17 +145,26 @@ class TrainEngine:
         kl_coef: float,
         kl_kind: str,
         entropy_coef: float,
-        mini_batches: int,
+        mini_sizes: list[int],
         epochs: int,
         micro: int,
     ) -> dict[str, float]:
+        """Optimizer updates over this rank's rows: ``mini_sizes[k]`` rows (in order)
+        belong to mini-batch k (see ``runtime.batches.minibatch_rows``)."""
         world, _ = _world()
         rows = num_rows(r)
         stats: dict[str, float] = {}
         weight_sum = 0.0
         t0 = time.perf_counter()
+        bounds = []
+        start = 0
+        for size in mini_sizes:
+            bounds.append((start, start + size))
+            start += size
+        if start != rows:
+            raise DataError(f"{self.role}.update: mini-batches of {start} rows for {rows} rows")
         for _epoch in range(epochs):
-            for mlo, mhi in even_split(rows, mini_batches):
+            for mlo, mhi in bounds:
                 mb = slice_rows(r, mlo, mhi)
                 ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
                 count_tokens = denominator_kind(loss.agg) == "tokens"
@@ -172,12 +181,13 @@ class TrainEngine:
                     pt = {name: (slice_rows(v, lo, hi) if not empty else slice_rows(v, 0, 1)) for name, v in ts.items()}
                     pt = {name: (v[:, :width] if v.dim() == 2 else v) for name, v in pt.items()}
                     obj, st = self._loss(part, pt, loss, kl_coef, kl_kind, entropy_coef, denom)
-                    scale = 0.0 if empty else float(world)  # FSDP averages gradients over ranks
+                    scale = 0.0 if empty else float(world)  # gradients are averaged over ranks
                     (obj * scale).backward()
                     w = 0.0 if empty else float(hi - lo)
                     for key, val in st.items():
                         stats[key] = stats.get(key, 0.0) + val * w
                     weight_sum += w
+                self._allreduce_grads()
                 gn = self._clip()
                 stats["grad_norm"] = stats.get("grad_norm", 0.0) + gn * (mhi - mlo)
                 self.opt.step()
@@ -231,19 +241,51 @@ class TrainEngine:
 
     # ---------------------------------------------------------------- sync
     def full_params(self) -> tuple[dict[str, torch.Tensor], float]:
-        """Every parameter gathered whole (a collective over the pool), and the
-        bytes this rank received to do so."""
+        """Every parameter whole, and the bytes this rank received to get them.
+
+        Sharded (FSDP2) parameters are gathered in one collective over a flat
+        buffer of every local shard (not one call per tensor); replicated
+        parameters are already whole."""
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        if not any(hasattr(p, "to_local") for _, p in named):
+            return {n: p.detach() for n, p in named}, 0.0
+        world, _ = _world()
+        locals_ = [p.to_local().detach().reshape(-1) for _, p in named]
+        flat = torch.cat(locals_)
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([flat.numel()]))
+        width = max(int(c) for c in counts)
+        padded = torch.zeros(width, dtype=flat.dtype)
+        padded[: flat.numel()] = flat
+        bufs = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(bufs, padded)
         out: dict[str, torch.Tensor] = {}
-        received = 0.0
-        for name, p in self.model.named_parameters():
-            if hasattr(p, "full_tensor"):
-                full = p.full_tensor()
-                local = p.to_local()
-                received += (full.numel() - local.numel()) * full.element_size()
-            else:
-                full = p
-            out[name] = full.detach()
-        return out, received
+        offsets = [0] * world
+        for name, p in named:
+            shape = tuple(p.shape)
+            sizes = [c.numel() for c in torch.empty(shape, device="meta").chunk(world, dim=0)]
+            sizes += [0] * (world - len(sizes))  # FSDP2 shards dim 0 as torch.chunk does
+            pieces = []
+            for r in range(world):
+                pieces.append(bufs[r][offsets[r] : offsets[r] + sizes[r]])
+                offsets[r] += sizes[r]
+            out[name] = torch.cat(pieces).view(shape)
+        received = (sum(t.numel() for t in out.values()) - flat.numel()) * flat.element_size()
+        return out, float(received)
+
+    def _allreduce_grads(self) -> None:
+        """Replicated data parallelism: average the gradients over the ranks in one flat all-reduce."""
+        world, _ = _world()
+        if world == 1 or self.layout.fsdp:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= world
+        i = 0
+        for g in grads:
+            g.copy_(flat[i : i + g.numel()].view_as(g))
+            i += g.numel()
 
     # ---------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:

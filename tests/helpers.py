@@ -16,6 +16,13 @@ EXAMPLES = ROOT / "examples"
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
+def flowc_cmd(*args: str) -> list[str]:
+    """The command line that runs ``flowc ARGS…`` with this interpreter."""
+    import sys
+
+    return [sys.executable, "-m", "flowc.cli", *args]
+
+
 def line_of(path: Path, needle: str) -> int:
     """1-based line number of the first line containing ``needle``."""
     for i, line in enumerate(path.read_text().splitlines(), 1):

@@ -168,16 +168,24 @@ def main() -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; {args.rounds} alternating rounds of {args.steps} steps (first {WARMUP} dropped), medians"
     )
     print()
-    print("| size | system | s/step | generated tokens/s | peak memory | throughput flowc/TRL |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| size | system | s/step | samples/s | generated tokens/s | mean response | peak memory | flowc/TRL (samples/s) | flowc/TRL (tokens/s) |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for size, res in results.items():
         med = {s: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for s, runs in res.items()}
-        ratio = med["flowc"]["tokens_per_s"] / med["trl"]["tokens_per_s"]
+        samples = {s: 64 / m["step_s"] for s, m in med.items()}
         for s in ("flowc", "trl"):
             m = med[s]
-            cell = f"{ratio:.2f}×" if s == "flowc" else ""
+            length = m["tokens_per_s"] * m["step_s"] / 64
+            cells = (
+                (f"{samples['flowc'] / samples['trl']:.2f}×", f"{med['flowc']['tokens_per_s'] / med['trl']['tokens_per_s']:.2f}×")
+                if s == "flowc"
+                else ("", "")
+            )
+            name = "flowc" if s == "flowc" else "TRL 1.16"
             print(
-                f"| {size} | {'flowc' if s == 'flowc' else 'TRL 1.16'} | {m['step_s']:.3f} | {m['tokens_per_s']:.0f} | {m['peak_gb']:.2f} GB | {cell} |"
+                f"| {size} | {name} | {m['step_s']:.3f} | {samples[s]:.0f} | {m['tokens_per_s']:.0f} | {length:.1f} | {m['peak_gb']:.2f} GB | {cells[0]} | {cells[1]} |"
             )
 
 

@@ -65,7 +65,10 @@ def test_default_grpo_runs_and_writes_the_run_directory(ray_cluster, tmp_path):
     ):
         assert key in last, key
     assert set(last["measured_s"]) == set(last["predicted_s"])
-    assert last["actor/sync_bytes_per_device"] > 0
+    # the bytes each rank gathered to sync the rollout engine are what the plan priced
+    plan = json.loads((out / "plan.json").read_text())
+    (sync,) = [r for r in plan["reshards"] if r["role"] == "actor" and r["dst_phase"] == "generate"]
+    assert last["actor/sync_bytes_per_device"] == pytest.approx(sync["bytes_per_device"], rel=0.05, abs=1.0)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -76,13 +79,28 @@ def test_default_grpo_runs_and_writes_the_run_directory(ray_cluster, tmp_path):
     assert draw(out).stat().st_size > 10_000
 
 
-def test_rollout_engine_matches_the_trainer_after_sync(ray_cluster, tmp_path):
-    spec, _ = prepare(request(tmp_path))
+@pytest.mark.parametrize("flow", ["ppo", "rloo", "remax"])
+def test_every_example_runs(ray_cluster, tmp_path, flow):
+    cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0)
+    out = run(request(tmp_path, flow=flow, steps=2, config=cfg, workload="prompts=8,prompt_len=8,response_len=6"), progress=False)
+    rows = [r for r in metrics(out) if "step_s" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "actor/pg_loss" in rows[-1]
+    if flow == "ppo":
+        assert "critic/vf_loss" in rows[-1]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_rollout_engine_matches_the_trainer_after_sync(ray_cluster, tmp_path, fsdp):
+    spec, _ = prepare(request(tmp_path, cluster="local:2", pins=[f"actor.train.fsdp={str(fsdp).lower()}"]))
+    (sync,) = [r for r in spec.plan.reshards if r.role == "actor" and r.dst_phase == "generate"]
+    assert (sync.bytes_per_device > 0) == fsdp  # sharded weights are gathered; replicas already hold them
     ctl = Controller(spec)
     try:
         ctl.start()
         for s in range(2):
-            ctl.run_step(s)
+            got = ctl.run_step(s)
+        assert got["actor/sync_bytes_per_device"] == pytest.approx(sync.bytes_per_device, rel=0.05, abs=1.0)
         assert ctl.sync_error("actor") < 1e-5
     finally:
         ctl.shutdown()
@@ -101,6 +119,70 @@ def test_resume_continues_as_if_never_interrupted(ray_cluster, tmp_path):
         assert x["reward"] == y["reward"]
         assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], abs=1e-6)
         assert x["actor/kl"] == pytest.approx(y["actor/kl"], abs=1e-6)
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint(ray_cluster, tmp_path, monkeypatch):
+    spec, _ = prepare(request(tmp_path))
+    ctl = Controller(spec)
+    try:
+        ctl.start()
+        ctl.run_step(0)
+        first = ctl.save(1, {})
+        ctl.run_step(1)
+        real = Path.write_text
+
+        def crash(self, text, *a, **k):
+            if self.name == "controller.json":
+                raise OSError("disk full")
+            return real(self, text, *a, **k)
+
+        monkeypatch.setattr(Path, "write_text", crash)
+        with pytest.raises(OSError, match="disk full"):
+            ctl.save(2, {})
+        monkeypatch.undo()
+        root = spec.out_dir / "checkpoints"
+        assert (root / "latest").read_text().strip() == first.name
+        assert not (root / "step-000002").exists()
+        assert ctl.restore(spec.out_dir)["step"] == 1
+    finally:
+        ctl.shutdown()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_and_the_checkpoint_resumes(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from helpers import ROOT, flowc_cmd
+
+    out = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("checkpoint_every: 2\neval_every: 0\n")
+    grpo = str(EXAMPLES / "grpo.py")
+    cmd = flowc_cmd("run", grpo, "--steps", "400", "--out", str(out), "--config", str(cfg), "-q")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not latest.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.5)
+    assert latest.exists(), p.stderr.read() if p.poll() is not None else "no checkpoint in time"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and "interrupted" in err and "--resume" in err
+    step = int(latest.read_text().strip().split("-")[1])
+    r = subprocess.run(
+        flowc_cmd("run", grpo, "--steps", str(step + 1), "--resume", str(out), "--config", str(cfg), "-q"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == step + 1
 
 
 def test_a_killed_worker_is_a_typed_error(ray_cluster, tmp_path):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import EXAMPLES, ROOT
+from helpers import EXAMPLES, ROOT, flowc_cmd
 
 
 def _free_port() -> int:
@@ -60,22 +60,12 @@ def test_pools_land_on_both_nodes(tmp_path):
         time.sleep(2)
         out = tmp_path / "run"
         r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flowc.cli",
+            flowc_cmd(
                 "run",
                 str(EXAMPLES / "grpo.py"),
-                "--cluster",
-                f"127.0.0.1:{port}",
-                "--steps",
-                "2",
-                "--out",
-                str(out),
-                "-q",
-                "--workload",
-                "prompts=8,prompt_len=8,response_len=6",
-            ],
+                *("--cluster", f"127.0.0.1:{port}", "--steps", "2", "--out", str(out), "-q"),
+                *("--workload", "prompts=8,prompt_len=8,response_len=6"),
+            ),
             cwd=ROOT,
             capture_output=True,
             text=True,

@@ -18,12 +18,18 @@ from hypothesis import strategies as st
 from flowc.errors import InfeasibleError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.models import ModelSpec
+from flowc.ir.plan import Layout
 from flowc.ir.plan_verify import _ids, verify_plan
 from flowc.ir.verify import verify
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
+from flowc.passes.costs import Hw, forward_cost
+from flowc.passes.flops import Demand
+from flowc.passes.options import OptionTable, divisors, pareto
+from flowc.passes.pins import Pins
 from flowc.passes.pipeline import make_plan
 from flowc.passes.reshard import _cut, deliveries, gen_shards
+from flowc.passes.units import demands, units_of
 
 
 @functools.cache
@@ -133,3 +139,51 @@ def test_published_runs_are_feasible(flow, model, cluster):
     plan, planned, _ = make_plan(g, {r: m for r in g.roles if g.roles[r].kind != "reward"}, ClusterSpec.parse(cluster), w)
     verify_plan(plan)
     verify(planned, "planned")
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(flows, models(), clusters, workloads, st.data())
+def test_option_pruning_matches_pricing_every_layout(flow, model, cluster, workload, data):
+    """The option table skips micro-batches it can prove useless; its Pareto front and its
+    "the faster X needs N GB" miss must equal those of pricing every layout."""
+    g = graph(flow)
+    roles = {r: model for r in g.roles if g.roles[r].kind != "reward"}
+    units = [u for u in units_of(g) if not u.generates and u.role in roles]
+    table = OptionTable(units_of(g), roles, demands(g, workload), workload, Hw.of(cluster), Pins())
+    u = data.draw(st.sampled_from(units))
+    d = data.draw(st.sampled_from(divisors(cluster.world_size)))
+    got = table.options(u.name, d)
+
+    m = roles[u.role]
+    logits = u.kind in ("policy", "reference")
+    layouts = table._train_layouts(u, m, d) if u.trainable else table._forward_layouts(u, m, d)
+    priced = [(table._trained if u.trainable else table._frozen)(u, m, lay, d, logits) for lay in layouts]
+    # memory only grows with the micro-batch: the assumption the pruning rests on
+    by_rest: dict[tuple, list] = {}
+    for o in priced:
+        lay = next(iter(o.layouts.values()))
+        by_rest.setdefault(tuple(v for k, v in lay.__dict__.items() if k != "micro_batch"), []).append(
+            (lay.micro_batch, o.need_gb)
+        )
+    for chain in by_rest.values():
+        needs = [need for _, need in sorted(chain)]
+        assert needs == sorted(needs)
+    useful = [o for o in priced if table._micro_batch_useful(u, next(iter(o.layouts.values())))]
+    fits = [o for o in useful if o.fits_alone]
+    assert [o.layouts for o in got.front] == [o.layouts for o in pareto(fits)]
+    over = [o for o in useful if not o.fits_alone]
+    if fits:
+        faster = [o for o in over if o.time < got.front[0].time]
+        want = min(faster, key=lambda o: (o.need_gb, o.time)) if faster else None
+    else:
+        want = min(over, key=lambda o: (table.shortfall(o), o.need_gb, o.time)) if over else None
+    assert (got.oom and (got.oom.need_gb, got.oom.time)) == (want and (want.need_gb, want.time))
+
+
+def test_a_micro_batch_never_holds_more_sequences_than_its_replica():
+    """Micro-batches beyond a replica's sequences price the same time as the one that holds them all."""
+    m = ModelSpec.resolve("qwen2.5-7b")
+    hw = Hw.of(ClusterSpec.parse("1x8xH100"))
+    dem = Demand(sequences=64, prompt_len=512, response_len=512, mean_response_len=512)
+    times = [forward_cost(m, Layout(dp=8, micro_batch=mb), dem, hw, logits=True, frozen=True).time for mb in (8, 16, 64)]
+    assert times[0] == pytest.approx(times[1]) == pytest.approx(times[2])

@@ -23,7 +23,6 @@ from flowc.passes.reshard import (
     lower_bound_bytes,
     nested,
     separate_options,
-    weight_bytes,
 )
 
 M70 = ModelSpec.resolve("llama-3.1-70b")
@@ -34,7 +33,7 @@ def test_micro_dp_volume_is_hybridflows_formula():
     # training p-t-d = 4-8-4 on 128 GPUs, generation t_g = 4, p_g = 1 (micro-DP group of 8)
     train = Layout(dp=4, tp=8, pp=4, backend="megatron")
     gen = Layout(dp=32, tp=4, backend="vllm")
-    m = weight_bytes(M70)
+    m = M70.weight_bytes
     opts = {o.method: o for o in colocated_options(M70, train, gen, A100)}
     t, p, tg, pg = 8, 4, 4, 1
     assert opts["micro_dp_allgather"].bytes_per_device == pytest.approx((t * p - tg * pg) / (tg * pg * t * p) * m)
@@ -59,7 +58,7 @@ def test_separate_pools_p2p_moves_only_the_shard():
     train = Layout(dp=8, tp=8, backend="megatron")
     gen = Layout(dp=8, tp=8, backend="vllm")
     opts = {o.method: o for o in separate_options(M70, train, gen, A100, same_node=False)}
-    m = weight_bytes(M70)
+    m = M70.weight_bytes
     assert opts["p2p"].bytes_per_device == pytest.approx(m / 8) == lower_bound_bytes(M70, train, gen, colocated=False)
     assert opts["broadcast"].bytes_per_device == pytest.approx(m)
     assert opts["p2p"].time < opts["broadcast"].time
@@ -111,7 +110,7 @@ def test_every_shard_arrives_exactly_once(args):
         return
     gen = Layout(dp=world // (tg * pg), tp=tg, pp=pg, backend="vllm")
     devs = list(range(world))
-    m = weight_bytes(M70)
+    m = M70.weight_bytes
     for opt in colocated_options(M70, train, gen, A100):
         got = _check_exactly_once(opt.method, train, gen, devs, devs)
         moved = max(sum(float(d.area) for d in got if d.dst == dev and d.src != d.dst) for dev in devs) * m
