@@ -194,6 +194,21 @@ def token_level(scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     return out.scatter(1, last.unsqueeze(-1), scores.unsqueeze(-1)) * mask.to(scores.dtype)
 
 
+@traceable
+def overlong_penalty(rollout: Rollout, cache: int, max_len: int | None = None) -> torch.Tensor:
+    """DAPO's soft overlong punishment ``[N]``, added to the reward.
+
+    With ``L = max_len`` (default: the rollout's response length limit ``R``)
+    and a response of ``|y|`` tokens: 0 while ``|y| <= L - cache``, then
+    falling linearly, ``(L - cache - |y|) / cache``, to -1 at ``|y| = L``.
+    """
+    limit = rollout.response_ids.shape[-1] if max_len is None else max_len
+    if not 0 < cache <= limit:
+        raise ValueError(f"overlong_penalty needs 0 < cache <= max_len (got cache={cache}, max_len={limit})")
+    length = rollout.response_mask.to(torch.float32).sum(-1)
+    return ((limit - cache - length) / cache).clamp(-1.0, 0.0)
+
+
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"]
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl", "abs", "mse")
 

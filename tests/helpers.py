@@ -14,6 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 GOLDEN = Path(__file__).resolve().parent / "golden"
+FLOWS = sorted(p.stem for p in EXAMPLES.glob("*.py"))
+"""Every example flow (one per algorithm), by file name."""
 
 
 def flowc_cmd(*args: str) -> list[str]:

@@ -11,7 +11,7 @@ import itertools
 from fractions import Fraction
 
 import pytest
-from helpers import EXAMPLES
+from helpers import EXAMPLES, FLOWS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -77,7 +77,7 @@ workloads = st.builds(
     response_len=st.sampled_from([64, 1024, 4096]),
     mini_batches=st.sampled_from([1, 2, 8]),
 )
-flows = st.sampled_from(["grpo", "ppo", "rloo", "remax"])
+flows = st.sampled_from(FLOWS)
 
 
 def check_deliveries(plan):

@@ -86,6 +86,19 @@ def test_token_level_puts_score_on_last_response_token():
     assert torch.equal(out, torch.tensor([[0, 5.0, 0, 0], [0, 0, 0, 7.0], [0, 0, 0, 0]]))
 
 
+def test_overlong_penalty_by_hand():
+    # R = 8, cache = 4: no penalty up to 4 tokens, then -1/4 per token, -1 at 8
+    lengths = [0, 3, 4, 5, 6, 8]
+    mask = torch.tensor([[t < n for t in range(8)] for n in lengths])
+    got = fc.ops.overlong_penalty(_rollout(mask), cache=4)
+    assert torch.allclose(got, torch.tensor([0.0, 0.0, 0.0, -0.25, -0.5, -1.0]))
+    # an explicit limit below the rollout width
+    got = fc.ops.overlong_penalty(_rollout(mask), cache=2, max_len=6)
+    assert torch.allclose(got, torch.tensor([0.0, 0.0, 0.0, -0.5, -1.0, -1.0]))
+    with pytest.raises(ValueError, match="cache"):
+        fc.ops.overlong_penalty(_rollout(mask), cache=9)
+
+
 def test_kl_estimators_by_hand():
     lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     d = lp - ref  # 0.5, -1.0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import EXAMPLES, check_golden, policy_graph
+from helpers import EXAMPLES, FLOWS, check_golden, policy_graph
 
 from flowc.errors import IRError, VerificationError
 from flowc.ir.graph import FlowGraph, Node, RoleInfo, ValueRef
@@ -144,7 +144,7 @@ def test_match_dim_prefers_symbolic_forms():
     assert match_dim([1000003, 7], {}) == "?"
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo", "rloo", "remax"])
+@pytest.mark.parametrize("name", FLOWS)
 def test_golden_text_of_examples(name):
     g = load_flow(str(EXAMPLES / f"{name}.py")).trace()
     check_golden(f"{name}.graph.txt", str(g))

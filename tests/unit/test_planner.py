@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import EXAMPLES, ROOT, check_golden
+from helpers import EXAMPLES, FLOWS, ROOT, check_golden
 
 from flowc.errors import InfeasibleError, SpecError
 from flowc.ir.cluster import ClusterSpec
@@ -173,6 +173,16 @@ GOLDEN = [
     ("rloo", "qwen2.5-1.5b", "1x4xA100", "prompts=128,prompt_len=256,response_len=512"),
     ("remax", "flowc-tiny", "1x2xcpu", "prompts=16,prompt_len=8,response_len=8"),
 ]
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_every_example_plans_on_a_gpu_node(flow):
+    """Each algorithm's flow, with every role a 7B model, on one 8×H100 node (verl's 7B recipes)."""
+    plan, _, _ = plan_of(flow, "qwen2.5-7b", "1x8xH100", WorkloadSpec(prompts=256, prompt_len=512, response_len=1024))
+    verify_plan(plan)
+    g = load_flow(str(EXAMPLES / f"{flow}.py")).trace()
+    assert set(plan.roles) == {r for r, info in g.roles.items() if info.kind != "reward"}
+    assert plan.predicted.step_time_s > 0 and all(p.layout.backend for r in plan.roles.values() for p in r.phases.values())
 
 
 @pytest.mark.parametrize("flow,model,cluster,workload", GOLDEN)
