@@ -75,6 +75,21 @@ class RoleCall:
         return f"{self.role}_{self.op}"
 
 
+@dataclass(frozen=True)
+class FilterCall:
+    """The fx target of ``fc.ops.filter_groups`` (lowered to a ``filter`` node, never called)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - never executed
+        raise AssertionError("filters are lowered, not run")
+
+    @property
+    def __name__(self) -> str:
+        return "filter_groups"
+
+
+FILTER = FilterCall()
+
+
 # ----------------------------------------------------------------- locating
 def _innermost_frame_in(filename: str, frame: FrameType | None) -> SourceLocation | None:
     while frame is not None:
@@ -109,6 +124,12 @@ class FlowProxy(torch.fx.Proxy):
                 fix=f"its fields are {', '.join(fields)}",
             )
         return super().__getattr__(k)
+
+    def __getitem__(self, key: Any) -> Any:
+        out = super().__getitem__(key)  # type: ignore[misc]
+        if self.flowc_kind == "filtered" and isinstance(out, FlowProxy):
+            out.node.meta["flowc_kind"] = {0: "rollout", 1: "tensor"}.get(key, "tensor")
+        return out
 
     def _concrete(self, what: str) -> Any:
         raise ControlFlowError(
@@ -205,6 +226,19 @@ class TraceContext:
         return p
 
 
+def record_filter(rollout: Any, scores: Any, kwargs: dict[str, Any]) -> FlowProxy:
+    """Record ``fc.ops.filter_groups(rollout, scores, **kwargs)`` as one node."""
+    for arg, value, expected in (("rollout", rollout, "rollout"), ("scores", scores, "tensor")):
+        if not isinstance(value, FlowProxy) or value.flowc_kind != expected:
+            raise ValueUseError(
+                f"filter_groups: {arg} must be {_article(expected)}, got {_describe(value)}",
+                fix="filter_groups(rollout, scores, group_size=n): the rollout from generate and its scores",
+            )
+    p = rollout.tracer.create_proxy("call_function", FILTER, (rollout, scores), kwargs)
+    p.node.meta["flowc_kind"] = "filtered"
+    return p
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, FlowProxy):
         kind = value.flowc_kind
@@ -299,6 +333,8 @@ class _Lowering:
                 continue
             elif node.op == "call_function" and isinstance(node.target, RoleCall):
                 self._role(node)
+            elif node.op == "call_function" and isinstance(node.target, FilterCall):
+                self._filter(node)
             elif self._is_projection(node):
                 self._project(node)
             elif node.op in ("call_function", "call_method"):
@@ -375,6 +411,25 @@ class _Lowering:
         kwargs = {**inputs, **static}
         self.g.add(Node(id=node_id, op=call.op, role=call.role, type=t, args=args, kwargs=kwargs, line=node.meta.get("line")))
         self._set(node, ValueRef(node_id), t)
+
+    def _filter(self, node: torch.fx.Node) -> None:
+        rollout, scores = node.args
+        rt, st = self.types[rollout], self.types[scores]
+        assert isinstance(rt, BundleType)
+        if not (isinstance(st, TensorType) and st.shape == (rt.batch,)):
+            raise ValueUseError(
+                f"filter_groups: scores must hold one value per sequence [{rt.batch}], got {st}",
+                fix="pass the rollout's rewards (e.g. reward(rollout)), one per sample",
+                where=self.loc(node),
+            )
+        t = TupleType(items=(rt, st))
+        node_id = self.g.unique_id("filter_groups")
+        args = (self.ref[rollout], self.ref[scores])
+        self.g.add(
+            Node(id=node_id, op="filter", role=None, type=t, args=args, kwargs=dict(node.kwargs), line=node.meta.get("line"))
+        )
+        vals = [(r, s) for r, s in zip(self.vals[rollout], self.vals[scores], strict=True)]
+        self._set(node, ValueRef(node_id), t, vals)
 
     def _sample_symbol(self, n: int) -> str | None:
         if n == 1:

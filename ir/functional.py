@@ -209,6 +209,14 @@ def overlong_penalty(rollout: Rollout, cache: int, max_len: int | None = None) -
     return ((limit - cache - length) / cache).clamp(-1.0, 0.0)
 
 
+def varied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Which groups of ``scores [N]`` (``N/group_size`` consecutive groups) hold
+    differing scores: ``bool [N/group_size]`` (DAPO's dynamic-sampling test; a
+    group whose samples all score alike has zero advantage everywhere)."""
+    g = _group(scores, group_size, "filter_groups")
+    return (g.amax(-1) - g.amin(-1)) > 0
+
+
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"]
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl", "abs", "mse")
 

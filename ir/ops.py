@@ -41,6 +41,18 @@ earlier nodes' outputs with constants, and an output ``type``.
     or ``Tensor.<method>`` for a tensor method; ``args``/``kwargs`` are its
     arguments. Output: inferred by shape propagation. Role: none.
 
+``filter``
+    Dynamic sampling (DAPO): keep the prompt groups whose scores vary and
+    generate again until the batch is full. ``args`` = (rollout, scores
+    ``[B*n]``); ``kwargs``: ``group_size``, ``max_rounds`` (generation rounds
+    at most) and ``expected_keep`` (the fraction of groups expected to vary:
+    the planner prices ``min(1/expected_keep, max_rounds)`` rounds of the ops
+    the filter depends on). Output: ``(Rollout[B*n], f32[B*n])`` — the same
+    shapes, holding only kept groups unless ``max_rounds`` ran out. The
+    runtime owns the loop: it re-runs the filter's ancestors (input,
+    generate, reward, compute) on fresh prompts. Ops after the filter must
+    read its outputs, not the values it filtered. Role: none.
+
 ``update``
     One training step of a role (one or more optimizer updates over the
     rollout). ``args[0]`` a rollout; ``kwargs`` the named tensors
@@ -60,8 +72,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-OpName = Literal["input", "generate", "logprobs", "values", "score", "reward", "compute", "update", "weight_sync"]
-OPS: tuple[str, ...] = ("input", "generate", "logprobs", "values", "score", "reward", "compute", "update", "weight_sync")
+OpName = Literal["input", "generate", "logprobs", "values", "score", "reward", "compute", "filter", "update", "weight_sync"]
+OPS: tuple[str, ...] = (
+    "input",
+    "generate",
+    "logprobs",
+    "values",
+    "score",
+    "reward",
+    "compute",
+    "filter",
+    "update",
+    "weight_sync",
+)
 
 RoleKind = Literal["policy", "critic", "reference", "reward_model", "reward"]
 ROLE_KINDS: tuple[str, ...] = ("policy", "critic", "reference", "reward_model", "reward")
@@ -74,6 +97,7 @@ OP_ROLE_KINDS: dict[str, frozenset[str]] = {
     "score": frozenset({"reward_model"}),
     "reward": frozenset({"reward"}),
     "compute": frozenset(),
+    "filter": frozenset(),
     "update": frozenset({"policy", "critic"}),
     "weight_sync": frozenset({"policy", "critic"}),
 }

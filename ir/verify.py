@@ -116,6 +116,8 @@ def _check_op(g: FlowGraph, n: Node) -> None:
             raise _fail(n, "weight_sync follows an update of its own role")
         if not isinstance(n.kwargs.get("method"), str):
             raise _fail(n, "weight_sync needs a method")
+    elif n.op == "filter":
+        _check_filter(g, n, t0)
     elif n.op == "compute":
         if not n.target:
             raise _fail(n, "compute needs a target")
@@ -138,6 +140,40 @@ def _check_op(g: FlowGraph, n: Node) -> None:
                 raise _fail(n, "a critic update needs returns")
             if not isinstance(loss, VALUE_LOSSES):
                 raise _fail(n, f"a critic update needs a value loss, has {loss}")
+
+
+def _check_filter(g: FlowGraph, n: Node, t0: ValueType | None) -> None:
+    if not (isinstance(t0, BundleType) and t0.kind == "rollout"):
+        raise _fail(n, "filter's first argument must be a rollout")
+    t1 = _arg_type(g, n, 1)
+    if not (isinstance(t1, TensorType) and t1.shape == (t0.batch,)):
+        raise _fail(n, f"filter's second argument must be one score per sequence [{t0.batch}], has {t1}")
+    k = n.kwargs.get("group_size")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 2:
+        raise _fail(n, f"filter needs an integer group_size >= 2, has {k!r}")
+    rounds, keep = n.kwargs.get("max_rounds"), n.kwargs.get("expected_keep")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise _fail(n, f"filter needs an integer max_rounds >= 1, has {rounds!r}")
+    if not isinstance(keep, (int, float)) or not 0 < keep <= 1:
+        raise _fail(n, f"filter needs 0 < expected_keep <= 1, has {keep!r}")
+    # The runtime re-runs the filter's ancestors for more groups; a later op that read one of them
+    # would see the values of one round only, out of step with the filtered batch.
+    before = filter_region(g, n.id)
+    for later in g.nodes:
+        if later.id in before or later.id == n.id:
+            continue
+        for arg, ref in later.refs():
+            if ref.node in before and g[ref.node].op != "input":
+                raise _fail(
+                    later,
+                    f"argument {arg!r} reads %{ref.node}, which %{n.id} filters; use the filter's outputs instead",
+                )
+
+
+def filter_region(g: FlowGraph, node_id: str) -> set[str]:
+    """The ops a ``filter`` re-runs to refill its batch: its data ancestors."""
+    dag = g.data_dag()
+    return set(nx.ancestors(dag, node_id))
 
 
 def _check_weight_edges(g: FlowGraph) -> None:

@@ -4,10 +4,12 @@ canned."""
 
 from __future__ import annotations
 
+from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Alternative
 from flowc.passes.manager import PlanContext
 from flowc.passes.options import UnitOption
 from flowc.passes.search import Candidate, SearchResult
+from flowc.passes.units import generation_rounds
 
 MAX_ALTERNATIVES = 8
 
@@ -111,6 +113,21 @@ def _oom_alternative(unit: str, o: UnitOption, cap: float) -> Alternative:
         tokens_per_s=None,
         rejected_because=f"OOM: needs {o.need_gb:.1f} GB of {cap:.1f} GB on {role}.{phase}",
     )
+
+
+def dynamic_sampling_notes(g: FlowGraph) -> list[str]:
+    """One sentence per ``filter`` (dynamic sampling): what it adds to the step."""
+    rounds = generation_rounds(g)
+    out = []
+    for f in g.nodes:
+        if f.op == "filter":
+            again = sorted(op for op in rounds if g[op].op in ("generate", "logprobs", "values", "score"))
+            k = min(1.0 / float(f.kwargs["expected_keep"]), float(f.kwargs["max_rounds"]))
+            out.append(
+                f"Dynamic sampling ({f.id}): {', '.join(again) or 'its ops'} priced at {k:.2g} rounds per step "
+                f"(expected_keep={f.kwargs['expected_keep']}, max_rounds={f.kwargs['max_rounds']})."
+            )
+    return out
 
 
 def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:

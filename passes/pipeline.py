@@ -22,7 +22,7 @@ from flowc.ir.workload import WorkloadSpec
 from flowc.passes.analysis import annotate_bytes, annotate_flops
 from flowc.passes.build import build
 from flowc.passes.costs import GB, Hw
-from flowc.passes.explain import alternatives, why
+from flowc.passes.explain import alternatives, dynamic_sampling_notes, why
 from flowc.passes.manager import Pass, PassManager, PlanContext
 from flowc.passes.options import OptionTable
 from flowc.passes.pins import Pins
@@ -105,7 +105,7 @@ def assemble_plan(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
         cluster={**ctx.cluster.model_dump(), "world_size": ctx.cluster.world_size},
         workload=ctx.workload.model_dump(),
         alternatives=alternatives(ctx, result),
-        why=why(ctx, result, body),
+        why=why(ctx, result, body) + dynamic_sampling_notes(g),
         pins=ctx.pins.summary(),
         search={
             "strategy": result.strategy,

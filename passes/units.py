@@ -11,12 +11,15 @@ controller and are not placed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from flowc.errors import PlanError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.models import ModelSpec
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP
+from flowc.ir.types import project
+from flowc.ir.verify import filter_region
 from flowc.ir.workload import WorkloadSpec
 from flowc.passes.flops import Demand
 
@@ -77,11 +80,12 @@ def demands(g: FlowGraph, w: WorkloadSpec) -> dict[str, Demand]:
     """The work of each model op of one iteration, by node id."""
     out: dict[str, Demand] = {}
     updates = w.mini_batches * w.epochs
+    rounds = generation_rounds(g)
     for n in g.nodes:
         if n.op not in MODEL_OPS:
             continue
         batch = _batch_of(g, n.id)
-        seqs = batch * w.prompts
+        seqs = math.ceil(batch * w.prompts * rounds.get(n.id, 1.0))
         mean_r = w.avg_response_len
         resp = w.response_len
         if n.op == "generate":
@@ -97,6 +101,19 @@ def demands(g: FlowGraph, w: WorkloadSpec) -> dict[str, Demand]:
     return out
 
 
+def generation_rounds(g: FlowGraph) -> dict[str, float]:
+    """Expected executions per iteration of the ops a ``filter`` re-runs (DAPO's
+    dynamic sampling): ``min(1 / expected_keep, max_rounds)``; ops absent run once."""
+    out: dict[str, float] = {}
+    for f in g.nodes:
+        if f.op != "filter":
+            continue
+        expected = min(1.0 / float(f.kwargs["expected_keep"]), float(f.kwargs["max_rounds"]))
+        for op in filter_region(g, f.id):
+            out[op] = out.get(op, 1.0) * expected
+    return out
+
+
 def _batch_of(g: FlowGraph, node_id: str) -> int:
     """Sequences per prompt that an op processes (the n of its rollout)."""
     from flowc.ir.shapes import eval_dim
@@ -106,7 +123,7 @@ def _batch_of(g: FlowGraph, node_id: str) -> int:
     t = n.type if n.op == "generate" else None
     if t is None:
         ref = n.args[0]
-        t = g[ref.node].type
+        t = project(g[ref.node].type, ref.path)
     if not isinstance(t, BundleType):
         raise PlanError(f"op {node_id} does not read a rollout")
     return eval_dim(t.batch, {"B": 1, **g.symbols})

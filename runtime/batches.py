@@ -34,6 +34,15 @@ def slice_rows(x: Any, lo: int, hi: int) -> Any:
     return x[lo:hi]
 
 
+def take_rows(x: Any, rows: torch.Tensor) -> Any:
+    """The rows ``rows`` (an index tensor) of a tensor or a dataclass of tensors."""
+    if isinstance(x, torch.Tensor):
+        return x[rows]
+    if is_dataclass(x):
+        return replace(x, **{f.name: getattr(x, f.name)[rows] for f in fields(x)})
+    return [x[i] for i in rows.tolist()]
+
+
 def cat_rows(parts: Sequence[Any]) -> Any:
     first = parts[0]
     if len(parts) == 1:
@@ -144,4 +153,5 @@ __all__ = [
     "num_rows",
     "repeat_rows",
     "slice_rows",
+    "take_rows",
 ]

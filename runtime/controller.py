@@ -22,14 +22,15 @@ import ray
 import torch
 
 from flowc.errors import DataError, RuntimeFailure
-from flowc.ir.functional import PromptBatch
+from flowc.ir.functional import PromptBatch, varied_groups
 from flowc.ir.graph import FlowGraph, ValueRef
 from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.targets import resolve
+from flowc.ir.verify import filter_region
 from flowc.ir.workload import WorkloadSpec
-from flowc.runtime.batches import Piece, Sharded, even_split, minibatch_rows, num_rows, project
+from flowc.runtime.batches import Piece, Sharded, cat_rows, even_split, minibatch_rows, num_rows, project, take_rows
 from flowc.runtime.data import Records, RewardFn, call_reward, tokenize_prompts
 from flowc.runtime.program import EngineSpec, Program, Step
 from flowc.runtime.worker import WorkerGroup
@@ -161,47 +162,116 @@ class Controller:
     # -------------------------------------------------------------- a step
     def run_step(self, step: int) -> dict[str, Any]:
         t_step = time.perf_counter()
-        w = self.s.workload
         env: dict[str, Any] = {}
         metas: dict[str, list[Any]] = {}
-        rows = self.s.data.batch(step, w.prompts, self.cfg.seed)
-        prompts_text = [r[self.s.data.prompt_key] for r in rows]
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.s.data.prompt_key}
         n_of: dict[str, int] = {}
+        self._extra: dict[str, Any] = {"seconds": {}, "tokens": 0, "metrics": {}}
+        batch = self._prompt_batch(step, self.cfg.seed)
         for st in self.s.program.steps:
-            node = self.s.graph[st.node]
-            if st.op == "input":
-                env[st.node] = Local(tokenize_prompts(self.tok, prompts_text, w.prompt_len))
-            elif st.op == "generate":
-                n = int(st.args.get("n", 1))
-                n_of[st.node] = n
-                env[st.node], metas[st.node] = self._generate(st, env[node.args[0].node], n, step)
-            elif st.op in ("logprobs", "values", "score"):
-                env[st.node], metas[st.node] = self._forward(st, self._value(env, node.args[0]))
-            elif st.op == "update":
-                metas[st.node] = self._update(st, env, node)
-            elif st.op == "weight_sync":
-                metas[st.node] = self._sync(st)
-            elif st.op == "reward":
-                src = node.args[0].node
-                texts = [t for m in self._wait(st, metas[src], "generate") for t in m["texts"]]
-                k = n_of[src]
-                cols = {c: [v for v in vals for _ in range(k)] for c, vals in columns.items()}
-                ptext = [p for p in prompts_text for _ in range(k)]
-                env[st.node] = Local(
-                    call_reward(self.s.rewards[node.role], self.s.reward_names.get(node.role, node.role), ptext, texts, cols)
-                )
-            elif st.op == "compute":
-                fn = resolve(node.target)
-                args = self._arg(env, node.args)
-                kwargs = self._arg(env, node.kwargs)
-                try:
-                    env[st.node] = Local(fn(*args, **kwargs))
-                except Exception as e:
-                    raise RuntimeFailure(
-                        f"compute {st.node} ({node.target}) failed at step {step}: {type(e).__name__}: {e}"
-                    ) from e
+            if st.op == "filter":
+                env[st.node] = self._filter(st, env, step)
+            else:
+                self._exec(st, env, metas, n_of, step, batch)
         return self._metrics(step, env, metas, n_of, t_step)
+
+    def _prompt_batch(self, step: int, seed: int | str) -> tuple[list[str], dict[str, list[Any]]]:
+        """The prompts of ``step`` and the other data columns (what reward functions read)."""
+        rows = self.s.data.batch(step, self.s.workload.prompts, seed)
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.s.data.prompt_key}
+        return [r[self.s.data.prompt_key] for r in rows], columns
+
+    def _exec(
+        self,
+        st: Step,
+        env: dict[str, Any],
+        metas: dict[str, list[Any]],
+        n_of: dict[str, int],
+        step: int,
+        batch: tuple[list[str], dict[str, list[Any]]],
+    ) -> None:
+        node = self.s.graph[st.node]
+        prompts_text, columns = batch
+        if st.op == "input":
+            env[st.node] = Local(tokenize_prompts(self.tok, prompts_text, self.s.workload.prompt_len))
+        elif st.op == "generate":
+            n = int(st.args.get("n", 1))
+            n_of[st.node] = n
+            env[st.node], metas[st.node] = self._generate(st, env[node.args[0].node], n, step)
+        elif st.op in ("logprobs", "values", "score"):
+            env[st.node], metas[st.node] = self._forward(st, self._value(env, node.args[0]))
+        elif st.op == "update":
+            metas[st.node] = self._update(st, env, node)
+        elif st.op == "weight_sync":
+            metas[st.node] = self._sync(st)
+        elif st.op == "reward":
+            src = node.args[0].node
+            if src not in metas:
+                raise RuntimeFailure(f"reward {st.node} must score a rollout straight from generate, not %{src}")
+            texts = [t for m in self._wait(st, metas[src], "generate") for t in m["texts"]]
+            k = n_of[src]
+            cols = {c: [v for v in vals for _ in range(k)] for c, vals in columns.items()}
+            ptext = [p for p in prompts_text for _ in range(k)]
+            env[st.node] = Local(
+                call_reward(self.s.rewards[node.role], self.s.reward_names.get(node.role, node.role), ptext, texts, cols)
+            )
+        elif st.op == "compute":
+            fn = resolve(node.target)
+            args = self._arg(env, node.args)
+            kwargs = self._arg(env, node.kwargs)
+            try:
+                env[st.node] = Local(fn(*args, **kwargs))
+            except Exception as e:
+                raise RuntimeFailure(f"compute {st.node} ({node.target}) failed at step {step}: {type(e).__name__}: {e}") from e
+        else:
+            raise RuntimeFailure(f"the runtime cannot execute op {st.op!r} ({st.node})")
+
+    def _filter(self, st: Step, env: dict[str, Any], step: int) -> Local:
+        """Dynamic sampling: keep the groups whose scores vary; re-run the filter's ancestors on
+        fresh prompts until the batch holds as many groups as it started with, or the rounds run out."""
+        node = self.s.graph[st.node]
+        k, max_rounds = int(node.kwargs["group_size"]), int(node.kwargs["max_rounds"])
+        region = filter_region(self.s.graph, st.node)
+        steps = [s for s in self.s.program.steps if s.node in region]
+        rollout, scores = self._arg(env, node.args[0]), self._arg(env, node.args[1])
+        want = num_rows(rollout) // k
+        kept: list[tuple[Any, torch.Tensor]] = []
+        first_keep = varied_groups(scores, k)
+        spare = (rollout, scores, (~first_keep).repeat_interleave(k))
+        keep, rounds, n_kept = first_keep, 1, 0
+        while True:
+            rows = keep.repeat_interleave(k).nonzero().squeeze(-1)
+            kept.append((take_rows(rollout, rows), scores[rows]))
+            n_kept += int(keep.sum())
+            if n_kept >= want or rounds >= max_rounds:
+                break
+            env2: dict[str, Any] = {}
+            metas2: dict[str, list[Any]] = {}
+            n2: dict[str, int] = {}
+            batch = self._prompt_batch(step, f"{self.cfg.seed}/round{rounds}")
+            for s in steps:
+                self._exec(s, env2, metas2, n2, step, batch)
+            for s in steps:  # this round's device time and generated tokens count toward the step
+                if s.node in metas2:
+                    got = self._wait(s, metas2[s.node], s.op)
+                    sec = self._extra["seconds"]
+                    sec[s.node] = sec.get(s.node, 0.0) + max(x.get("seconds", 0.0) for x in got)
+                    if s.op == "generate":
+                        self._extra["tokens"] += sum(x["tokens"] for x in got)
+            rollout, scores = self._arg(env2, node.args[0]), self._arg(env2, node.args[1])
+            keep, rounds = varied_groups(scores, k), rounds + 1
+        if n_kept < want:  # rounds ran out: top up with groups that carry no gradient
+            rows = spare[2].nonzero().squeeze(-1)[: (want - n_kept) * k]
+            kept.append((take_rows(spare[0], rows), spare[1][rows]))
+        out_rollout = take_rows(cat_rows([r for r, _ in kept]), torch.arange(want * k))
+        out_scores = torch.cat([s for _, s in kept])[: want * k]
+        self._extra["metrics"].update(
+            {
+                f"{st.node}/rounds": rounds,
+                f"{st.node}/kept_groups": min(n_kept, want) / want,
+                f"{st.node}/first_round_kept": float(first_keep.float().mean()),
+            }
+        )
+        return Local((out_rollout, out_scores))
 
     def _wait(self, st: Step, refs: list[Any], what: str) -> list[Any]:
         group = self.groups[st.group] if st.group else next(iter(self.groups.values()))
@@ -221,6 +291,7 @@ class Controller:
 
     def _forward(self, st: Step, rollout: Sharded) -> tuple[Sharded, list[Any]]:
         wg, e = self._group_of(st)
+        rollout = self._sharded(rollout)
         per = self._per_rank({"rollout": rollout}, e.layout.dp)
         out = wg.call(
             "run",
@@ -232,7 +303,7 @@ class Controller:
 
     def _update(self, st: Step, env: dict[str, Any], node: Any) -> list[Any]:
         wg, e = self._group_of(st)
-        values: dict[str, Sharded] = {"rollout": self._value(env, node.args[0])}
+        values: dict[str, Sharded] = {"rollout": self._sharded(self._value(env, node.args[0]))}
         for name in ("advantages", "old_logprobs", "ref_logprobs", "returns", "old_values"):
             if name in node.kwargs:
                 v = self._value(env, node.kwargs[name])
@@ -305,6 +376,12 @@ class Controller:
             m["reward_std"] = m[f"{first_reward}/std"]
             if f"{first_reward}/accuracy" in m:
                 m["accuracy"] = m[f"{first_reward}/accuracy"]
+        extra = getattr(self, "_extra", None)
+        if extra:
+            for node_id, sec in extra["seconds"].items():
+                measured[node_id] = measured.get(node_id, 0.0) + sec
+            gen_tokens += extra["tokens"]
+            m.update(extra["metrics"])
         wall = time.perf_counter() - t_step  # every op of the step has finished
         m["step_s"] = wall
         m["gen_tokens"] = gen_tokens

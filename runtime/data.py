@@ -40,7 +40,7 @@ class Records:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def batch(self, step: int, size: int, seed: int) -> list[dict[str, Any]]:
+    def batch(self, step: int, size: int, seed: int | str) -> list[dict[str, Any]]:
         """Rows of step ``step`` (0-based): consecutive slices of per-epoch permutations."""
         out: list[dict[str, Any]] = []
         pos = step * size

@@ -322,3 +322,32 @@ def test_cli_prints_location_without_traceback(flow_file):
     assert "Traceback" not in r.stderr
     assert f"{p}:{line_of(p, 'ref.update')}:" in r.stderr
     assert "fix:" in r.stderr
+
+
+def test_reading_the_unfiltered_rollout_after_filter_groups(flow_file):
+    from flowc.ir.verify import verify
+
+    p = flow_file(
+        HEADER
+        + """
+    rollout = actor.generate(prompts, n=n)
+    kept, scores = fc.ops.filter_groups(rollout, reward(rollout), group_size=n)
+    adv = fc.ops.group_normalize(scores, n)
+    actor.update(rollout, advantages=adv, ref_logprobs=ref.logprobs(kept))
+"""
+    )
+    with pytest.raises(FlowcError, match="filter_groups filters; use the filter's outputs"):
+        verify(trace(p))
+
+
+def test_filter_groups_needs_a_rollout(flow_file):
+    p = flow_file(
+        HEADER
+        + """
+    rollout = actor.generate(prompts, n=n)
+    s = reward(rollout)
+    kept, scores = fc.ops.filter_groups(s, s, group_size=n)
+    actor.update(kept, advantages=scores, ref_logprobs=ref.logprobs(kept))
+"""
+    )
+    expect(ValueUseError, p, "fc.ops.filter_groups(s, s", what="filter_groups: rollout must be a rollout")

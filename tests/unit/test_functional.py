@@ -99,6 +99,17 @@ def test_overlong_penalty_by_hand():
         fc.ops.overlong_penalty(_rollout(mask), cache=9)
 
 
+def test_filter_groups_keeps_the_groups_whose_scores_vary():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.0])  # groups of 2
+    assert fc.ops.varied_groups(scores, 2).tolist() == [False, True, False, True]
+    mask = torch.ones(8, 3, dtype=torch.bool)
+    r = _rollout(mask)
+    r.response_ids = torch.arange(8).unsqueeze(-1).expand(8, 3).clone()
+    kept, kept_scores = fc.ops.filter_groups(r, scores, group_size=2)
+    assert kept.response_ids[:, 0].tolist() == [2, 3, 6, 7]
+    assert kept_scores.tolist() == [0.0, 1.0, 0.5, 0.0]
+
+
 def test_kl_estimators_by_hand():
     lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     d = lp - ref  # 0.5, -1.0

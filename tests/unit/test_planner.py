@@ -185,6 +185,18 @@ def test_every_example_plans_on_a_gpu_node(flow):
     assert plan.predicted.step_time_s > 0 and all(p.layout.backend for r in plan.roles.values() for p in r.phases.values())
 
 
+def test_dynamic_sampling_prices_the_expected_extra_generation():
+    from flowc.passes.units import demands
+
+    g = load_flow(str(EXAMPLES / "dapo.py")).trace()
+    w = WorkloadSpec(prompts=64, prompt_len=256, response_len=512)
+    d = demands(g, w)
+    assert d["actor.generate"].sequences == 2 * 64 * 8  # expected_keep=0.5: two rounds
+    assert d["actor.logprobs"].sequences == d["actor.update"].sequences == 64 * 8  # after the filter: one batch
+    plan, _, _ = plan_of("dapo", "qwen2.5-7b", "1x8xH100", w)
+    assert any("Dynamic sampling (filter_groups): actor.generate priced at 2 rounds" in line for line in plan.why)
+
+
 @pytest.mark.parametrize("flow,model,cluster,workload", GOLDEN)
 def test_golden_plans(flow, model, cluster, workload):
     plan, _, _ = plan_of(flow, model, cluster, WorkloadSpec.parse(workload))
