@@ -4,7 +4,10 @@
 
 Each cell runs the real command line in a fresh process
 (`flowc plan FLOW --model actor=llama-3.1-70b --cluster Nx8xH100 --json`) and
-reports the median wall time of the repeats. Goals (issue "Planner"): PPO with
+reports the median wall time of the repeats. The same run measures the start-up
+alone (`flowc graph FLOW`: Python, torch, tracing; no planning) so the table
+also gives the search's own time, which is steadier than the wall time when a
+shared machine is busy. Goals (issue "Planner"): PPO with
 four 70B roles in under 5 s on 128 GPUs and under 30 s on 1024 GPUs.
 """
 
@@ -45,6 +48,15 @@ def run(flow: str, nodes: int) -> tuple[float, dict]:
     return wall, json.loads(r.stdout)
 
 
+def startup(flow: str, repeats: int) -> float:
+    walls = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "flowc.cli", "graph", flow], cwd=ROOT, capture_output=True, check=True)
+        walls.append(time.perf_counter() - t)
+    return statistics.median(walls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -53,20 +65,25 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {platform.python_version()}, repeats {args.repeats}, median wall time"
     )
     print()
-    print("| flow | GPUs | wall time | strategy | device splits scored | predicted step |")
-    print("|---|---:|---:|---|---:|---:|")
+    print("| flow | GPUs | wall time | planning (wall − start-up) | strategy | device splits scored | predicted step |")
+    print("|---|---:|---:|---:|---|---:|---:|")
     for name, flow in FLOWS.items():
+        base = startup(flow, args.repeats)
+        print(f"| {name} | start-up only | {base:.2f} s | — | — | — | — |")
         for n in NODES:
             walls, plan = [], {}
             for _ in range(args.repeats):
                 w, plan = run(flow, n)
                 walls.append(w)
             if "error" in plan:
-                print(f"| {name} | {n * 8} | {statistics.median(walls):.2f} s | infeasible | — | {plan['error'][:60]} |")
+                wall = statistics.median(walls)
+                print(f"| {name} | {n * 8} | {wall:.2f} s | {wall - base:.2f} s | infeasible | — | {plan['error'][:60]} |")
                 continue
             s = plan["search"]
+            wall = statistics.median(walls)
             print(
-                f"| {name} | {n * 8} | {statistics.median(walls):.2f} s | {s['strategy']} | {s['device_splits']} | {plan['predicted']['step_time_s']:.1f} s |"
+                f"| {name} | {n * 8} | {wall:.2f} s | {wall - base:.2f} s | {s['strategy']} | {s['device_splits']} "
+                f"| {plan['predicted']['step_time_s']:.1f} s |"
             )
 
 
