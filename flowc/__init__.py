@@ -19,6 +19,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "flow": ("flowc.flows", "flow"),
     "Flow": ("flowc.flows", "Flow"),
     "Prompts": ("flowc.roles", "Prompts"),
+    "Preferences": ("flowc.roles", "Preferences"),
     "Policy": ("flowc.roles", "Policy"),
     "Critic": ("flowc.roles", "Critic"),
     "Reference": ("flowc.roles", "Reference"),
@@ -52,4 +53,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from flowc import errors, losses, ops
     from flowc.errors import FlowcError
     from flowc.flows import Flow, flow
-    from flowc.roles import Critic, Policy, Prompts, Reference, Reward, RewardModel
+    from flowc.roles import Critic, Policy, Preferences, Prompts, Reference, Reward, RewardModel

@@ -18,9 +18,9 @@ from typing import Any
 
 from flowc.errors import SignatureError, SourceLocation, display_path
 from flowc.ir.graph import FlowGraph
-from flowc.roles import ROLE_TYPES, Prompts, Role, suggest
+from flowc.roles import ROLE_TYPES, Preferences, Prompts, Role, suggest
 
-DATA_TYPES: dict[type, str] = {Prompts: "prompts"}
+DATA_TYPES: dict[type, str] = {Prompts: "prompts", Preferences: "preferences"}
 
 
 class Flow:
@@ -84,8 +84,8 @@ class Flow:
         if len(self.data_params) != 1:
             found = ", ".join(self.data_params) or "none"
             raise SignatureError(
-                f"flow {self.name!r} needs exactly one fc.Prompts parameter (found {found})",
-                fix="add a parameter such as prompts: fc.Prompts",
+                f"flow {self.name!r} needs exactly one data parameter, fc.Prompts or fc.Preferences (found {found})",
+                fix="add a parameter such as prompts: fc.Prompts (or pairs: fc.Preferences for offline preference data)",
                 where=self._where(),
             )
         if not self.roles:

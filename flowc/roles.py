@@ -14,6 +14,7 @@ type               methods                                     trainable
 ``RewardModel``    ``score``                                   no
 ``Reward``         called like a function: ``reward(rollout)`` no (Python)
 ``Prompts``        the batch of prompts (a data parameter)     —
+``Preferences``    preference pairs (a data parameter; DPO)    —
 =================  ==========================================  ===============
 """
 
@@ -23,7 +24,7 @@ import difflib
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from flowc.errors import RoleUsageError, SignatureError
-from flowc.ir.losses import POLICY_LOSSES, VALUE_LOSSES, ppo_clip, value_clip
+from flowc.ir.losses import POLICY_LOSSES, PREFERENCE_LOSSES, VALUE_LOSSES, ppo_clip, value_clip
 from flowc.ir.sampling import SAMPLING_KEYS, SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,18 @@ class Prompts:
     """Annotation for the flow's batch of prompts (``B`` prompts per step)."""
 
     kind: ClassVar[str] = "prompts"
+
+
+class Preferences:
+    """Annotation for a batch of ``B`` preference pairs (offline training, e.g. DPO).
+
+    Traced as a rollout of ``2*B`` sequences: row ``2i`` is prompt ``i`` with
+    its chosen response, row ``2i+1`` the same prompt with the rejected one.
+    Pass it wherever a rollout goes (``ref.logprobs(pairs)``,
+    ``actor.update(pairs, …, loss=fc.losses.dpo(beta))``); the data holds
+    ``prompt``, ``chosen`` and ``rejected`` columns."""
+
+    kind: ClassVar[str] = "preferences"
 
 
 def suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
@@ -132,16 +145,22 @@ class Policy(Role):
         ``low_var_kl``), ``entropy_coef``.
         """
         self._check_kwargs("update", kwargs, self._UPDATE_KEYS)
-        if "advantages" not in kwargs:
+        loss = kwargs.get("loss", ppo_clip())
+        if isinstance(loss, PREFERENCE_LOSSES):
+            if "ref_logprobs" not in kwargs:
+                raise SignatureError(
+                    f"{self.name}.update(loss={loss}) needs ref_logprobs=",
+                    fix="pass ref_logprobs=ref.logprobs(pairs): the frozen reference's log-probabilities of the pairs",
+                )
+        elif "advantages" not in kwargs:
             raise SignatureError(
                 f"{self.name}.update() needs advantages=",
                 fix="compute advantages in the flow (e.g. fc.ops.group_normalize(scores, n)) and pass advantages=adv",
             )
-        loss = kwargs.get("loss", ppo_clip())
         if not isinstance(loss, POLICY_LOSSES):
             raise SignatureError(
                 f"{self.name}.update(loss={loss}) is not a policy loss",
-                fix="use fc.losses.ppo_clip(...) or fc.losses.policy_gradient()",
+                fix="use fc.losses.ppo_clip(...), fc.losses.policy_gradient() or fc.losses.dpo(beta)",
             )
         static: dict[str, Any] = {"loss": loss}
         for key in ("kl_coef", "entropy_coef"):

@@ -242,15 +242,26 @@ def prepare(req: RunRequest):
     tokenizer = sources[policy] if policy else tok_dir
     check_tokenizer(tokenizer, sources)
     # data and rewards
+    preferences = any(n.op == "input" and n.kwargs.get("kind") == "preferences" for n in g.nodes)
     if builtin:
         train_p, eval_p = arith.split()
+        rows_of = arith.preference_records if preferences else arith.records
         data, eval_data = (
-            Records(arith.records(train_p), "built-in arithmetic"),
-            Records(arith.records(eval_p), "built-in arithmetic (held out)"),
+            Records(rows_of(train_p), "built-in arithmetic"),
+            Records(rows_of(eval_p), "built-in arithmetic (held out)"),
         )
     else:
         data = Records(load_rows(req.data), req.data)
         eval_data = Records(load_rows(req.eval_data), req.eval_data) if req.eval_data else None
+    if preferences:
+        for d in (data, eval_data):
+            missing = [c for c in ("chosen", "rejected") if d is not None and c not in d.rows[0]]
+            if missing:
+                raise DataError(
+                    f"{d.name} has no {' or '.join(repr(c) for c in missing)} column, which preference pairs need "
+                    f"(columns: {', '.join(d.rows[0])})",
+                    fix="give each row a prompt, a chosen and a rejected response",
+                )
     rewards: dict[str, Any] = {}
     names: dict[str, str] = {}
     for role, info in g.roles.items():
@@ -431,5 +442,7 @@ class _Progress:
             parts.append(f"acc {m['accuracy']:.3f}")
         if "eval/accuracy" in m:
             parts.append(f"eval acc {m['eval/accuracy']:.3f}")
+        if "eval/dpo_accuracy" in m:
+            parts.append(f"eval pref acc {m['eval/dpo_accuracy']:.3f}")
         parts.append(f"{m['tokens_per_s']:.0f} tok/s")
         self.p.update(self.task, completed=m["step"], info=" · ".join(parts))

@@ -279,7 +279,8 @@ def record(
     kwargs: dict[str, Any] = {}
     for name, kind in data_params.items():
         p = tracer.create_proxy("placeholder", name, (), {})
-        p.node.meta["flowc_kind"] = kind
+        p.node.meta["flowc_data"] = kind
+        p.node.meta["flowc_kind"] = "rollout" if kind == "preferences" else kind  # pairs go where rollouts go
         kwargs[name] = p
     for name, cls in roles.items():
         kwargs[name] = cls(name, ctx)
@@ -372,8 +373,8 @@ class _Lowering:
 
     # node kinds -----------------------------------------------------------
     def _input(self, node: torch.fx.Node) -> None:
-        kind = node.meta["flowc_kind"]
-        t = prompts_type()
+        kind = node.meta["flowc_data"]
+        t = rollout_type("2*B") if kind == "preferences" else prompts_type()
         self.g.add(
             Node(
                 id=node.target,

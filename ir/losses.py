@@ -94,16 +94,38 @@ class PolicyGradient(BaseModel):
         return _fmt(self)
 
 
+class DPO(BaseModel):
+    """Direct preference optimisation (Rafailov et al., 2023) on preference pairs.
+
+    With sequence log-probability sums of the policy (``π``) and the frozen
+    reference (``ref``) for the chosen (``c``) and rejected (``r``) response,
+    ``z = beta·((π_c - ref_c) - (π_r - ref_r))`` and the loss per pair is
+    ``-(1-ε)·log σ(z) - ε·log σ(-z)`` (``ε = label_smoothing``, cDPO), averaged
+    over pairs. The update's rollout holds the pairs as rows ``2i`` (chosen)
+    and ``2i+1`` (rejected).
+    """
+
+    model_config = _SPEC
+    kind: Literal["dpo"] = "dpo"
+    beta: float = Field(0.1, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    agg: Literal["seq-mean-token-sum"] = "seq-mean-token-sum"  # pairs are counted, tokens summed
+
+    def __str__(self) -> str:
+        return _fmt(self)
+
+
 def _fmt(spec: BaseModel) -> str:
     defaults = type(spec).model_fields
     parts = [f"{k}={v}" for k, v in spec.model_dump().items() if k != "kind" and v != defaults[k].default]
     return f"{spec.kind}({', '.join(parts)})"  # type: ignore[attr-defined]
 
 
-LossSpec = Annotated[Union[PPOClip, ValueClip, PolicyGradient], Field(discriminator="kind")]
-LOSS_TYPES: tuple[type[BaseModel], ...] = (PPOClip, ValueClip, PolicyGradient)
+LossSpec = Annotated[Union[PPOClip, ValueClip, PolicyGradient, DPO], Field(discriminator="kind")]
+LOSS_TYPES: tuple[type[BaseModel], ...] = (PPOClip, ValueClip, PolicyGradient, DPO)
 LOSS_ADAPTER: TypeAdapter[LossSpec] = TypeAdapter(LossSpec)
-POLICY_LOSSES: tuple[type[BaseModel], ...] = (PPOClip, PolicyGradient)
+POLICY_LOSSES: tuple[type[BaseModel], ...] = (PPOClip, PolicyGradient, DPO)
+PREFERENCE_LOSSES: tuple[type[BaseModel], ...] = (DPO,)
 VALUE_LOSSES: tuple[type[BaseModel], ...] = (ValueClip,)
 
 
@@ -183,6 +205,33 @@ def policy_loss(
     return aggregate(per_tok, mask, spec.agg, denom=denom, max_len=max_len), stats
 
 
+def dpo_loss(
+    spec: DPO, logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, *, pairs: float | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPO's loss over rows ``2i`` (chosen) / ``2i+1`` (rejected) and its statistics.
+
+    ``pairs`` replaces the local pair count as the denominator (the runtime
+    passes the count over the whole mini-batch, all ranks included)."""
+    if logp.shape[0] % 2:
+        raise ValueError(f"DPO needs (chosen, rejected) row pairs, got {logp.shape[0]} rows")
+    m = mask.to(logp.dtype)
+    seq = ((logp - ref_logp) * m).sum(-1)  # log-ratio of each sequence against the reference
+    chosen, rejected = seq[0::2], seq[1::2]
+    z = spec.beta * (chosen - rejected)
+    eps = spec.label_smoothing
+    per_pair = -(1 - eps) * torch.nn.functional.logsigmoid(z) - eps * torch.nn.functional.logsigmoid(-z)
+    n = pairs if pairs is not None else float(z.shape[0])
+    reward_c, reward_r = spec.beta * chosen.detach(), spec.beta * rejected.detach()
+    stats = {
+        "dpo_loss": float(per_pair.detach().mean()),
+        "dpo_margin": float((reward_c - reward_r).mean()),
+        "dpo_accuracy": float((reward_c > reward_r).float().mean()),
+        "chosen_reward": float(reward_c.mean()),
+        "rejected_reward": float(reward_r.mean()),
+    }
+    return per_pair.sum() / n, stats
+
+
 def value_loss(
     spec: BaseModel,
     values: torch.Tensor,
@@ -220,6 +269,11 @@ def ppo_clip(
 ) -> PPOClip:
     """PPO's clipped surrogate (see :class:`PPOClip`)."""
     return PPOClip(clip=clip, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, agg=agg)  # type: ignore[arg-type]
+
+
+def dpo(beta: float = 0.1, *, label_smoothing: float = 0.0) -> DPO:
+    """DPO's pairwise loss (see :class:`DPO`); the update needs ``ref_logprobs``."""
+    return DPO(beta=beta, label_smoothing=label_smoothing)
 
 
 def value_clip(clip: float = 0.2, *, agg: str = "token-mean") -> ValueClip:

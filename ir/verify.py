@@ -17,7 +17,7 @@ import networkx as nx
 
 from flowc.errors import FlowcError, VerificationError
 from flowc.ir.graph import FlowGraph, Node
-from flowc.ir.losses import POLICY_LOSSES, VALUE_LOSSES
+from flowc.ir.losses import POLICY_LOSSES, PREFERENCE_LOSSES, VALUE_LOSSES
 from flowc.ir.ops import OP_ROLE_KINDS, OPS, TRAINABLE_KINDS, WEIGHT_READERS
 from flowc.ir.shapes import UNKNOWN, WORKLOAD_SYMBOLS, dim_symbols
 from flowc.ir.targets import resolve
@@ -98,8 +98,12 @@ def _arg_type(g: FlowGraph, n: Node, i: int = 0) -> ValueType | None:
 def _check_op(g: FlowGraph, n: Node) -> None:
     t0 = _arg_type(g, n)
     if n.op == "input":
-        if n.kwargs.get("kind") != "prompts" or not isinstance(n.kwargs.get("source"), str):
-            raise _fail(n, "input needs kwargs source (a parameter name) and kind='prompts'")
+        kind = n.kwargs.get("kind")
+        if kind not in ("prompts", "preferences") or not isinstance(n.kwargs.get("source"), str):
+            raise _fail(n, "input needs kwargs source (a parameter name) and kind 'prompts' or 'preferences'")
+        want = "rollout" if kind == "preferences" else "prompts"
+        if not (isinstance(n.type, BundleType) and n.type.kind == want):
+            raise _fail(n, f"a {kind} input produces a {want} bundle, has {n.type}")
     elif n.op == "generate":
         if not (isinstance(t0, BundleType) and t0.kind == "prompts"):
             raise _fail(n, "generate's first argument must be the prompt batch")
@@ -128,7 +132,19 @@ def _check_op(g: FlowGraph, n: Node) -> None:
     if n.op == "update":
         kind = g.roles[n.role].kind if n.role in g.roles else None
         loss = n.kwargs.get("loss")
-        if kind == "policy":
+        pairs = isinstance(loss, PREFERENCE_LOSSES)
+        src = g[n.args[0].node] if n.args else None
+        from_pairs = src is not None and src.op == "input" and src.kwargs.get("kind") == "preferences"
+        if pairs != from_pairs and kind == "policy":
+            raise _fail(
+                n,
+                f"{loss} trains on preference pairs (an fc.Preferences input)"
+                if pairs
+                else "an update over preference pairs needs a preference loss such as fc.losses.dpo(beta)",
+            )
+        if pairs and "ref_logprobs" not in n.kwargs:
+            raise _fail(n, f"{loss} needs ref_logprobs (the frozen reference's log-probabilities of the pairs)")
+        if kind == "policy" and not pairs:
             if "advantages" not in n.kwargs:
                 raise _fail(n, "a policy update needs advantages")
             if not isinstance(loss, POLICY_LOSSES):

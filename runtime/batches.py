@@ -79,14 +79,15 @@ def even_split(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def minibatch_rows(n: int, mini_batches: int, ranks: int) -> list[list[tuple[int, int]]]:
+def minibatch_rows(n: int, mini_batches: int, ranks: int, unit: int = 1) -> list[list[tuple[int, int]]]:
     """For each rank, its row ranges — one per mini-batch. Mini-batch k is the
     same global rows whatever the number of ranks (each rank takes its part of
-    every mini-batch), so an update is the same computation on any layout."""
+    every mini-batch), so an update is the same computation on any layout.
+    Ranges never split a group of ``unit`` consecutive rows (2: DPO's pairs)."""
     out: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
-    for mlo, mhi in even_split(n, mini_batches):
+    for mlo, mhi in even_split(n // unit, mini_batches):
         for r, (lo, hi) in enumerate(even_split(mhi - mlo, ranks)):
-            out[r].append((mlo + lo, mlo + hi))
+            out[r].append(((mlo + lo) * unit, (mlo + hi) * unit))
     return out
 
 

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from flowc.errors import DataError, RuntimeFailure
 from flowc.ir.functional import PromptBatch, varied_groups
 from flowc.ir.graph import FlowGraph, ValueRef
+from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
 from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
@@ -31,7 +32,7 @@ from flowc.ir.targets import resolve
 from flowc.ir.verify import filter_region
 from flowc.ir.workload import WorkloadSpec
 from flowc.runtime.batches import Piece, Sharded, cat_rows, even_split, minibatch_rows, num_rows, project, take_rows
-from flowc.runtime.data import Records, RewardFn, call_reward, tokenize_prompts
+from flowc.runtime.data import Records, RewardFn, call_reward, tokenize_pairs, tokenize_prompts
 from flowc.runtime.program import EngineSpec, Program, Step
 from flowc.runtime.worker import WorkerGroup
 
@@ -191,7 +192,11 @@ class Controller:
     ) -> None:
         node = self.s.graph[st.node]
         prompts_text, columns = batch
-        if st.op == "input":
+        if st.op == "input" and node.kwargs.get("kind") == "preferences":
+            w = self.s.workload
+            pairs = tokenize_pairs(self.tok, prompts_text, columns["chosen"], columns["rejected"], w.prompt_len, w.response_len)
+            env[st.node] = Local(pairs)
+        elif st.op == "input":
             env[st.node] = Local(tokenize_prompts(self.tok, prompts_text, self.s.workload.prompt_len))
         elif st.op == "generate":
             n = int(st.args.get("n", 1))
@@ -309,7 +314,8 @@ class Controller:
                 v = self._value(env, node.kwargs[name])
                 values[name] = self._sharded(v) if isinstance(v, Local) else v
         w = self.s.workload
-        ranges = minibatch_rows(values["rollout"].rows, w.mini_batches, e.layout.dp)
+        unit = 2 if isinstance(node.kwargs["loss"], PREFERENCE_LOSSES) else 1  # DPO's pairs stay on one rank
+        ranges = minibatch_rows(values["rollout"].rows, w.mini_batches, e.layout.dp, unit)
         per = [{k: [p for a, b in ranges[r] for p in v.pieces(a, b)] for k, v in values.items()} for r in range(e.layout.dp)]
         base = {
             "loss": node.kwargs["loss"],
@@ -394,7 +400,16 @@ class Controller:
     def evaluate(self) -> dict[str, float]:
         """Greedy responses to held-out prompts, scored by the first reward function."""
         data = self.s.eval_data
-        if data is None or not self.s.rewards:
+        if data is None:
+            return {}
+        dpo = [
+            st
+            for st in self.s.program.steps
+            if st.op == "update" and isinstance(self.s.graph[st.node].kwargs["loss"], PREFERENCE_LOSSES)
+        ]
+        if dpo:
+            return self._evaluate_pairs(dpo[0], data)
+        if not self.s.rewards:
             return {}
         rows = data.head(self.cfg.eval_size)
         role = next(iter(self.s.rewards))
@@ -414,6 +429,35 @@ class Controller:
         return {
             "eval/reward": float(scores.mean()),
             "eval/accuracy": float((scores >= 1.0).float().mean()),
+            "eval/size": float(len(rows)),
+        }
+
+    def _evaluate_pairs(self, upd: Step, data: Records) -> dict[str, float]:
+        """Held-out preference pairs: how often, and by how much, the policy prefers the chosen response
+        over the rejected one relative to the reference (DPO's implicit reward)."""
+        node = self.s.graph[upd.node]
+        ref = node.kwargs["ref_logprobs"]
+        ref_step = next((st for st in self.s.program.steps if st.node == ref.node and st.op == "logprobs"), None)
+        if ref_step is None or ref.path:
+            return {}  # the reference's log-probabilities are computed, not read: nothing to compare against
+        rows = data.head(self.cfg.eval_size)
+        w = self.s.workload
+        pairs = tokenize_pairs(
+            self.tok,
+            [r[data.prompt_key] for r in rows],
+            [r["chosen"] for r in rows],
+            [r["rejected"] for r in rows],
+            w.prompt_len,
+            w.response_len,
+        )
+        src = Sharded((ray.put(pairs),), (num_rows(pairs),))
+        ref_lp, _ = self._forward(ref_step, src)
+        act_lp, _ = self._forward(replace(upd, op="logprobs"), src)
+        _, st = dpo_loss(node.kwargs["loss"], self._materialize(act_lp), self._materialize(ref_lp), pairs.response_mask)
+        return {
+            "eval/dpo_accuracy": st["dpo_accuracy"],
+            "eval/dpo_margin": st["dpo_margin"],
+            "eval/dpo_loss": st["dpo_loss"],
             "eval/size": float(len(rows)),
         }
 

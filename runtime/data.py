@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from flowc.errors import DataError
-from flowc.ir.functional import PromptBatch
+from flowc.ir.functional import PromptBatch, Rollout
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -69,6 +69,31 @@ def tokenize_prompts(tok: Any, prompts: list[str], max_len: int) -> PromptBatch:
             fix=f"raise it: --workload prompt_len={int(lens.max())}",
         )
     return PromptBatch(ids, mask.bool())
+
+
+def tokenize_pairs(
+    tok: Any, prompts: list[str], chosen: list[str], rejected: list[str], prompt_len: int, response_len: int
+) -> Rollout:
+    """Preference pairs as a rollout of ``2B`` rows: ``2i`` prompt ``i`` + chosen, ``2i+1`` + rejected.
+
+    Prompts are left-padded to ``prompt_len``; responses get EOS appended and
+    are right-padded to ``response_len`` (a longer one is an error that says so)."""
+    p = tokenize_prompts(tok, prompts, prompt_len)
+    texts = [t for pair in zip(chosen, rejected, strict=True) for t in pair]
+    ids = torch.full((len(texts), response_len), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(texts), response_len), dtype=torch.bool)
+    for i, text in enumerate(texts):
+        toks = [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        if len(toks) > response_len:
+            raise DataError(
+                f"response {text!r} of pair {i // 2} is {len(toks)} tokens with EOS, longer than the workload's "
+                f"response_len {response_len}",
+                fix=f"raise it: --workload response_len={len(toks)}",
+            )
+        ids[i, : len(toks)] = torch.tensor(toks)
+        mask[i, : len(toks)] = True
+    rows = torch.arange(len(prompts)).repeat_interleave(2)
+    return Rollout(p.input_ids[rows], p.attention_mask[rows], ids, mask, torch.zeros(ids.shape, dtype=torch.float32))
 
 
 def call_reward(fn: RewardFn, name: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from flowc.errors import DataError
 from flowc.ir.functional import PromptBatch, Rollout, kl
-from flowc.ir.losses import aggregate, denominator_kind, policy_loss, value_loss
+from flowc.ir.losses import PREFERENCE_LOSSES, aggregate, denominator_kind, dpo_loss, policy_loss, value_loss
 from flowc.ir.plan import Layout
 from flowc.ir.run_config import OptimConfig
 from flowc.ir.sampling import SamplingParams
@@ -92,8 +92,10 @@ def _chunks(rows: int, micro: int) -> int:
     return int(_allreduce(float(max(1, math.ceil(rows / micro))), "max"))
 
 
-def _chunk_ranges(rows: int, k: int) -> Iterator[tuple[int, int]]:
-    yield from even_split(rows, k)
+def _chunk_ranges(rows: int, k: int, unit: int = 1) -> Iterator[tuple[int, int]]:
+    """``k`` near-equal row ranges that never split a group of ``unit`` rows."""
+    for lo, hi in even_split(rows // unit, k):
+        yield lo * unit, hi * unit
 
 
 class TrainEngine:
@@ -170,15 +172,16 @@ class TrainEngine:
                 count_tokens = denominator_kind(loss.agg) == "tokens"
                 local = float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)
                 denom = max(_allreduce(local), 1.0)
-                k = _chunks(mhi - mlo, micro)
+                unit = 2 if isinstance(loss, PREFERENCE_LOSSES) else 1  # DPO's (chosen, rejected) rows stay together
+                k = _chunks((mhi - mlo) // unit, max(1, micro // unit))
                 self.opt.zero_grad(set_to_none=True)
-                for i, (lo, hi) in enumerate(_chunk_ranges(mhi - mlo, k)):
+                for i, (lo, hi) in enumerate(_chunk_ranges(mhi - mlo, k, unit)):
                     if hasattr(self.model, "set_requires_gradient_sync"):
                         self.model.set_requires_gradient_sync(i == k - 1)  # reduce gradients once per update
                     empty = hi <= lo
-                    part = trim(slice_rows(mb, lo, hi) if not empty else slice_rows(mb, 0, 1))
+                    part = trim(slice_rows(mb, lo, hi) if not empty else slice_rows(mb, 0, unit))
                     width = part.response_ids.shape[1]
-                    pt = {name: (slice_rows(v, lo, hi) if not empty else slice_rows(v, 0, 1)) for name, v in ts.items()}
+                    pt = {name: (slice_rows(v, lo, hi) if not empty else slice_rows(v, 0, unit)) for name, v in ts.items()}
                     pt = {name: (v[:, :width] if v.dim() == 2 else v) for name, v in pt.items()}
                     obj, st = self._loss(part, pt, loss, kl_coef, kl_kind, entropy_coef, denom)
                     scale = 0.0 if empty else float(world)  # gradients are averaged over ranks
@@ -205,6 +208,12 @@ class TrainEngine:
     ):
         mask = r.response_mask
         max_len = r.response_ids.shape[1]
+        if self.kind == "policy" and isinstance(spec, PREFERENCE_LOSSES):
+            if "ref_logprobs" not in t:
+                raise DataError(f"{self.role}.update with {spec} got no ref_logprobs")
+            logp = self._score(r)
+            obj, st = dpo_loss(spec, logp, t["ref_logprobs"], mask, pairs=denom / 2)
+            return obj, st
         if self.kind == "policy":
             logp, entropy = self._score(r, with_entropy=True)
             if "advantages" not in t:

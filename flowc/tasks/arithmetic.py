@@ -52,6 +52,17 @@ def records(problems: Sequence[Problem]) -> list[dict[str, str]]:
     return [{"prompt": p.prompt, "answer": p.answer} for p in problems]
 
 
+def preference_records(problems: Sequence[Problem], seed: int = SEED) -> list[dict[str, str]]:
+    """Preference pairs for offline training (DPO): the right answer is ``chosen``, a near miss
+    (off by 1–10, seeded per problem) ``rejected``."""
+    rows = []
+    for p in problems:
+        rng = random.Random(f"{seed}:{p.prompt}")
+        wrong = int(p.answer) + rng.choice([-1, 1]) * rng.randint(1, 10)
+        rows.append({"prompt": p.prompt, "chosen": p.answer, "rejected": str(wrong), "answer": p.answer})
+    return rows
+
+
 def exact_match(prompts: list[str], responses: list[str], answer: list[str], **_: object) -> list[float]:
     """Reward: 1.0 when the response (up to EOS) is exactly the answer."""
     return [1.0 if r.strip() == a else 0.0 for r, a in zip(responses, answer, strict=True)]

@@ -85,7 +85,7 @@ def test_every_example_runs(ray_cluster, tmp_path, flow):
     out = run(request(tmp_path, flow=flow, steps=2, config=cfg, workload="prompts=8,prompt_len=8,response_len=6"), progress=False)
     rows = [r for r in metrics(out) if "step_s" in r]
     assert [r["step"] for r in rows] == [1, 2]
-    assert "actor/pg_loss" in rows[-1]
+    assert ("actor/dpo_loss" if flow == "dpo" else "actor/pg_loss") in rows[-1]
     if flow == "ppo":
         assert "critic/vf_loss" in rows[-1]
     if flow == "dapo":  # dynamic sampling refilled the batch, or ran out of rounds

@@ -351,3 +351,29 @@ def test_filter_groups_needs_a_rollout(flow_file):
 """
     )
     expect(ValueUseError, p, "fc.ops.filter_groups(s, s", what="filter_groups: rollout must be a rollout")
+
+
+def test_dpo_needs_preference_pairs(flow_file):
+    from flowc.ir.verify import verify
+
+    p = flow_file(
+        HEADER
+        + """
+    rollout = actor.generate(prompts, n=n)
+    actor.update(rollout, ref_logprobs=ref.logprobs(rollout), loss=fc.losses.dpo(0.1))
+    reward(rollout)
+"""
+    )
+    with pytest.raises(FlowcError, match=r"dpo\(\) trains on preference pairs"):
+        verify(trace(p))
+
+
+def test_dpo_without_reference_logprobs(flow_file):
+    p = flow_file(
+        """
+@fc.flow
+def f(pairs: fc.Preferences, actor: fc.Policy):
+    actor.update(pairs, loss=fc.losses.dpo(0.1))
+"""
+    )
+    expect(SignatureError, p, "actor.update(pairs", what="needs ref_logprobs=", fix="ref.logprobs(pairs)")

@@ -110,6 +110,25 @@ def test_filter_groups_keeps_the_groups_whose_scores_vary():
     assert kept_scores.tolist() == [0.0, 1.0, 0.5, 0.0]
 
 
+def test_dpo_loss_on_two_known_pairs():
+    from flowc.ir.losses import DPO, dpo_loss
+
+    # sequence log-ratios against the reference: pair 1 chosen +1.0, rejected -1.0; pair 2 chosen 0.0, rejected +0.5
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    ref = torch.zeros(4, 3)
+    logp = torch.tensor([[0.5, 0.5, 9.0], [-1.0, 9.0, 9.0], [0.2, -0.1, -0.1], [0.5, 9.0, 9.0]])  # masked entries ignored
+    loss, st = dpo_loss(DPO(beta=0.5), logp, ref, mask)
+    z1, z2 = 0.5 * (1.0 - (-1.0)), 0.5 * (0.0 - 0.5)
+    want = (math.log1p(math.exp(-z1)) + math.log1p(math.exp(-z2))) / 2  # -log σ(z) = log(1 + e^-z)
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert st["dpo_accuracy"] == 0.5 and st["dpo_margin"] == pytest.approx((1.0 - 0.25) / 2)
+    smoothed, _ = dpo_loss(DPO(beta=0.5, label_smoothing=0.1), logp, ref, mask)
+    want_s = sum(0.9 * math.log1p(math.exp(-z)) + 0.1 * math.log1p(math.exp(z)) for z in (z1, z2)) / 2
+    assert smoothed.item() == pytest.approx(want_s, rel=1e-6)
+    with pytest.raises(ValueError, match="pairs"):
+        dpo_loss(DPO(), logp[:3], ref[:3], mask[:3])
+
+
 def test_kl_estimators_by_hand():
     lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     d = lp - ref  # 0.5, -1.0

@@ -124,3 +124,27 @@ def test_task_split_is_disjoint_and_fixed():
     assert len(held) == 1000 and len(train) + len(held) == 20000
     assert not {p.prompt for p in train} & {p.prompt for p in held}
     assert arith.split()[1] == held
+
+
+def test_preference_pairs_tokenize_as_interleaved_rows():
+    from flowc.runtime.data import tokenize_pairs
+    from flowc.tasks.arithmetic import build_tokenizer
+
+    tok = build_tokenizer()
+    r = tokenize_pairs(tok, ["1+2=", "9-9="], ["3", "0"], ["4", "-1"], prompt_len=6, response_len=4)
+    assert r.response_ids.shape == (4, 4) and r.prompt_ids.shape == (4, 6)
+    texts = [tok.decode(ids[m]) for ids, m in zip(r.response_ids, r.response_mask, strict=True)]
+    assert texts == ["3</s>", "4</s>", "0</s>", "-1</s>"]
+    assert torch.equal(r.prompt_ids[0], r.prompt_ids[1]) and not torch.equal(r.prompt_ids[1], r.prompt_ids[2])
+    with pytest.raises(DataError, match="response_len"):
+        tokenize_pairs(tok, ["1+2="], ["3"], ["12345"], prompt_len=6, response_len=4)
+
+
+def test_minibatches_never_split_a_pair():
+    from flowc.runtime.batches import minibatch_rows
+
+    for n, mb, ranks in [(16, 2, 3), (10, 3, 2), (2, 1, 4)]:
+        ranges = minibatch_rows(n, mb, ranks, unit=2)
+        covered = sorted(i for per in ranges for lo, hi in per for i in range(lo, hi))
+        assert covered == list(range(n))
+        assert all(lo % 2 == 0 and hi % 2 == 0 for per in ranges for lo, hi in per)
