@@ -94,6 +94,29 @@ def test_every_example_runs(ray_cluster, tmp_path, flow):
         assert 1 <= last["filter_groups/rounds"] <= 4
 
 
+def test_dynamic_sampling_tops_up_when_the_rounds_run_out(ray_cluster, tmp_path):
+    """A reward that never varies: every round keeps no group, so after max_rounds the batch is
+    filled with non-varying groups and the update still sees a full batch."""
+    (tmp_path / "const_reward.py").write_text("def zero(prompts, responses, **_):\n    return [0.0] * len(responses)\n")
+    flow = tmp_path / "dyn.py"
+    flow.write_text(
+        "import flowc as fc\n\n\n"
+        "@fc.flow\n"
+        "def dyn(prompts: fc.Prompts, actor: fc.Policy, reward: fc.Reward, *, n: int = 4):\n"
+        "    rollout = actor.generate(prompts, n=n)\n"
+        "    rollout, scores = fc.ops.filter_groups(rollout, reward(rollout), group_size=n, max_rounds=2)\n"
+        "    actor.update(rollout, advantages=fc.ops.group_normalize(scores, n), old_logprobs=actor.logprobs(rollout))\n"
+    )
+    cfg = RunConfig(steps=1, eval_every=0, checkpoint_every=0)
+    req = request(tmp_path, steps=1, config=cfg, workload="prompts=4,prompt_len=8,response_len=6")
+    req.flow, req.rewards = load_flow(str(flow)), {"reward": f"{tmp_path / 'const_reward.py'}:zero"}
+    (row,) = [r for r in metrics(run(req, progress=False)) if "step_s" in r]
+    assert row["filter_groups/rounds"] == 2
+    assert row["filter_groups/first_round_kept"] == 0.0 and row["filter_groups/kept_groups"] == 0.0
+    assert row["actor/pg_loss"] == 0.0  # all advantages are zero: nothing varies
+    assert row["gen_tokens"] > 0 and row["measured_s"]["actor.generate"] > 0
+
+
 @pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
 def test_rollout_engine_matches_the_trainer_after_sync(ray_cluster, tmp_path, fsdp):
     spec, _ = prepare(request(tmp_path, cluster="local:2", pins=[f"actor.train.fsdp={str(fsdp).lower()}"]))
