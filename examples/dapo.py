@@ -14,9 +14,9 @@ import flowc as fc
 
 @fc.flow
 def dapo(prompts: fc.Prompts, actor: fc.Policy, reward: fc.Reward,
-         *, n: int = 8, clip: float = 0.2, clip_high: float = 0.28, overlong_cache: int = 4):
+         *, n: int = 8, clip: float = 0.2, clip_high: float = 0.28, overlong_cache: float = 0.2):
     rollout = actor.generate(prompts, n=n)
-    scores = reward(rollout) + fc.ops.overlong_penalty(rollout, cache=overlong_cache)
+    scores = reward(rollout) + fc.ops.overlong_penalty(rollout, cache=overlong_cache)  # last 20 % of R
     rollout, scores = fc.ops.filter_groups(rollout, scores, group_size=n)   # runtime re-generates
     old_logp = actor.logprobs(rollout)
     adv = fc.ops.group_normalize(scores, group_size=n)

@@ -195,18 +195,21 @@ def token_level(scores: torch.Tensor, rollout: Rollout) -> torch.Tensor:
 
 
 @traceable
-def overlong_penalty(rollout: Rollout, cache: int, max_len: int | None = None) -> torch.Tensor:
+def overlong_penalty(rollout: Rollout, cache: float, max_len: int | None = None) -> torch.Tensor:
     """DAPO's soft overlong punishment ``[N]``, added to the reward.
 
-    With ``L = max_len`` (default: the rollout's response length limit ``R``)
-    and a response of ``|y|`` tokens: 0 while ``|y| <= L - cache``, then
-    falling linearly, ``(L - cache - |y|) / cache``, to -1 at ``|y| = L``.
+    With ``L = max_len`` (default: the rollout's response length limit ``R``),
+    a punishment band of ``C = cache`` tokens (a ``cache`` below 1 is a
+    fraction of ``L``: DAPO's 4096 of 20480 is ``0.2``; at least one token) and
+    a response of ``|y|`` tokens: 0 while ``|y| <= L - C``, then falling
+    linearly, ``(L - C - |y|) / C``, to -1 at ``|y| = L``.
     """
     limit = rollout.response_ids.shape[-1] if max_len is None else max_len
-    if not 0 < cache <= limit:
+    band = max(1, round(cache * limit)) if 0 < cache < 1 else cache
+    if not 0 < band <= limit:
         raise ValueError(f"overlong_penalty needs 0 < cache <= max_len (got cache={cache}, max_len={limit})")
     length = rollout.response_mask.to(torch.float32).sum(-1)
-    return ((limit - cache - length) / cache).clamp(-1.0, 0.0)
+    return ((limit - band - length) / band).clamp(-1.0, 0.0)
 
 
 def varied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -2,10 +2,12 @@
 
 Marked slow (CI runs them once): each trains the shipped tiny model for a few
 hundred steps on this machine's CPUs and compares held-out accuracy (1,000
-problems, greedy) before and after. The margins are about half of what
-bench/algorithms.py measured (docs/algorithms.md), so a regression that
-halves learning fails while seed-to-seed noise (±1.6 points of standard
-error at 1,000 problems) does not."""
+problems, greedy, every 20 steps) at the start with the mean of the last
+three evaluations — single evaluations scatter by ±3 points. The margins are
+about half of what bench/algorithms.py measured with the same settings
+(docs/algorithms.md; the runs are deterministic on one machine), so a
+regression that halves learning fails while numeric differences between
+machines do not."""
 
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ from flowc.ir.run_config import RunConfig
 from flowc.loader import load_flow
 from flowc.run import BUILTIN_WORKLOAD, RunRequest, run
 
-# flow: (steps, minimum gain in held-out accuracy, absolute points)
+# as bench/algorithms.py runs them: one sample per prompt needs more prompts per step
+WORKLOADS = {"ppo_rlvr": "prompts=256,prompt_len=8,response_len=6"}
+# flow: (steps, minimum gain of held-out accuracy, absolute); measured gains in docs/algorithms.md
 LEARNING = {
-    "grpo": (200, 0.04),
-    "rloo": (200, 0.04),
-    "reinforce_pp": (200, 0.04),
-    "ppo_rlvr": (200, 0.04),
+    "grpo": (200, 0.035),  # measured +7.5 points
+    "rloo": (200, 0.02),  # measured +4.7
+    "reinforce_pp": (200, 0.04),  # measured +8.2
+    "ppo_rlvr": (200, 0.05),  # measured +11.6 with 256 prompts per step
 }
 
 
@@ -36,13 +40,13 @@ def _run(tmp_path, flow: str, steps: int) -> list[dict]:
         eval_data=None,
         rewards={},
         cluster="local",
-        workload=BUILTIN_WORKLOAD,
+        workload=WORKLOADS.get(flow, BUILTIN_WORKLOAD),
         steps=steps,
         out=str(tmp_path / flow),
         resume=None,
         rollout=None,
         pins=[],
-        config=RunConfig(steps=steps, eval_every=steps, checkpoint_every=0),
+        config=RunConfig(steps=steps, eval_every=20, checkpoint_every=0),
     )
     out = run(req, progress=False)
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -53,9 +57,9 @@ def _run(tmp_path, flow: str, steps: int) -> list[dict]:
 def test_the_flow_raises_held_out_accuracy(ray_cluster, tmp_path, flow):
     steps, gain = LEARNING[flow]
     evals = [(r["step"], r["eval/accuracy"]) for r in _run(tmp_path, flow, steps) if "eval/accuracy" in r]
-    assert [s for s, _ in evals] == [0, steps]
-    before, after = evals[0][1], evals[-1][1]
-    assert after - before >= gain, f"{flow}: held-out accuracy {before:.3f} -> {after:.3f} in {steps} steps"
+    assert [s for s, _ in evals] == list(range(0, steps + 1, 20))
+    before, after = evals[0][1], sum(a for _, a in evals[-3:]) / 3
+    assert after - before >= gain, f"{flow}: held-out accuracy {before:.3f} -> {after:.3f} (last three) in {steps} steps"
 
 
 @pytest.mark.slow
@@ -64,4 +68,5 @@ def test_dpo_prefers_the_chosen_answers_of_held_out_pairs(ray_cluster, tmp_path)
     rows = [r for r in _run(tmp_path, "dpo", steps) if "eval/dpo_accuracy" in r]
     before, after = rows[0], rows[-1]
     assert before["eval/dpo_margin"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
-    assert after["eval/dpo_margin"] > 0.5 and after["eval/dpo_accuracy"] >= 0.8, after
+    # measured at step 100: margin 0.18 (beta-scaled log-ratio), 71 % of pairs preferred rightly
+    assert after["step"] == steps and after["eval/dpo_margin"] >= 0.09 and after["eval/dpo_accuracy"] >= 0.6, after

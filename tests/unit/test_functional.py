@@ -95,6 +95,9 @@ def test_overlong_penalty_by_hand():
     # an explicit limit below the rollout width
     got = fc.ops.overlong_penalty(_rollout(mask), cache=2, max_len=6)
     assert torch.allclose(got, torch.tensor([0.0, 0.0, 0.0, -0.5, -1.0, -1.0]))
+    # a fraction of the limit: 0.25 of 8 is a band of 2 tokens; a tiny fraction still punishes the last token
+    assert torch.allclose(fc.ops.overlong_penalty(_rollout(mask), cache=0.25), torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -1.0]))
+    assert torch.allclose(fc.ops.overlong_penalty(_rollout(mask), cache=0.01), torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -1.0]))
     with pytest.raises(ValueError, match="cache"):
         fc.ops.overlong_penalty(_rollout(mask), cache=9)
 
