@@ -9,11 +9,14 @@ their scoring function from ``--reward ROLE=module:function``.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import importlib.util
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -363,6 +366,19 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
     ctl = Controller(spec)
     start_step = 0
     log: MetricsLog | None = None
+    # Ctrl-C asks for a stop at the next step boundary (no Ray call is cut in half); a second one aborts
+    stops = [0]
+
+    def _on_sigint(signum: int, frame: Any) -> None:
+        stops[0] += 1
+        if stops[0] > 1:
+            raise KeyboardInterrupt
+        print("\nCtrl-C: stopping after the current step (press it again to abort now)", file=sys.stderr, flush=True)
+
+    prev_handler = None
+    if threading.current_thread() is threading.main_thread():
+        prev_handler = signal.signal(signal.SIGINT, _on_sigint)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a stuck run is
     try:
         ctl.start()
         (out / "placement.json").write_text(json.dumps(ctl.placement, indent=2))
@@ -388,6 +404,8 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                     on_step(m)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                     ctl.save(step + 1, {"seed": cfg.seed, "data_position": (step + 1) * spec.workload.prompts})
+                if stops[0]:
+                    raise KeyboardInterrupt
         ctl.save(cfg.steps, {"seed": cfg.seed, "data_position": cfg.steps * spec.workload.prompts})
         ctl.export_policy(out / "final")
     except KeyboardInterrupt:
@@ -396,6 +414,8 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
             fix=f"continue with: flowc run {req.flow.file} --resume {out}",
         ) from None
     finally:
+        if prev_handler is not None:
+            signal.signal(signal.SIGINT, prev_handler)
         if log is not None:
             log.close()
         ctl.shutdown()

@@ -199,10 +199,12 @@ def test_ctrl_c_stops_cleanly_and_the_checkpoint_resumes(tmp_path):
     try:  # generous: on a loaded 2-core machine tearing Ray down takes a while
         _, err = p.communicate(timeout=300)
     except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGUSR1)  # the run's faulthandler prints every thread's stack to stderr
+        time.sleep(3)
         p.kill()
         _, err = p.communicate()
         raise AssertionError(f"the run did not stop within 300 s of Ctrl-C; its stderr:\n{err[-3000:]}") from None
-    assert p.returncode == 1 and "interrupted" in err and "--resume" in err
+    assert p.returncode == 1 and "interrupted" in err and "--resume" in err, err[-3000:]
     step = int(latest.read_text().strip().split("-")[1])
     r = subprocess.run(
         flowc_cmd("run", grpo, "--steps", str(step + 1), "--resume", str(out), "--config", str(cfg), "-q"),
