@@ -61,6 +61,8 @@ def main() -> None:
             str(run),
             "-q",
         ]
+        if flow in WORKLOADS:
+            cmd += ["--workload", WORKLOADS[flow]]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         wall = time.perf_counter() - t
         if r.returncode != 0:

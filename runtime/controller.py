@@ -76,6 +76,8 @@ class Controller:
         self.dtype = self.cfg.dtype_on("gpu" if spec.gpus else "cpu")
         self.history: list[dict[str, Any]] = []
         self.placement: dict[str, list[dict[str, Any]]] = {}
+        # what a step's filter rounds add to its metrics (extra device seconds, tokens); reset per step
+        self._extra: dict[str, Any] = {"seconds": {}, "tokens": 0, "metrics": {}}
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
@@ -166,7 +168,7 @@ class Controller:
         env: dict[str, Any] = {}
         metas: dict[str, list[Any]] = {}
         n_of: dict[str, int] = {}
-        self._extra: dict[str, Any] = {"seconds": {}, "tokens": 0, "metrics": {}}
+        self._extra = {"seconds": {}, "tokens": 0, "metrics": {}}
         batch = self._prompt_batch(step, self.cfg.seed)
         for st in self.s.program.steps:
             if st.op == "filter":
@@ -382,7 +384,7 @@ class Controller:
             m["reward_std"] = m[f"{first_reward}/std"]
             if f"{first_reward}/accuracy" in m:
                 m["accuracy"] = m[f"{first_reward}/accuracy"]
-        extra = getattr(self, "_extra", None)
+        extra = self._extra
         if extra:
             for node_id, sec in extra["seconds"].items():
                 measured[node_id] = measured.get(node_id, 0.0) + sec

@@ -67,3 +67,30 @@ def policy_graph(
     g.add(Node("actor.update", "update", "actor", StatsType(), args=(ValueRef("actor.generate"),), kwargs=update_kwargs))
     g.add_weight_edges()
     return g
+
+
+def request(tmp_path: Path, flow: str = "grpo", **kw):
+    """A ``RunRequest`` for an example flow on the embedded default (local Ray, built-in task),
+    3 steps unless ``kw`` says otherwise."""
+    from flowc.ir.run_config import RunConfig
+    from flowc.loader import load_flow
+    from flowc.run import RunRequest
+
+    base = dict(
+        flow=load_flow(str(EXAMPLES / f"{flow}.py")),
+        overrides={},
+        models={},
+        data=None,
+        eval_data=None,
+        rewards={},
+        cluster="local",
+        workload=None,
+        steps=3,
+        out=str(tmp_path / "run"),
+        resume=None,
+        rollout=None,
+        pins=[],
+        config=RunConfig(steps=3, eval_every=3, eval_size=64, checkpoint_every=0),
+    )
+    base.update(kw)
+    return RunRequest(**base)

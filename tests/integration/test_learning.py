@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import EXAMPLES
+from helpers import request
 
 from flowc.ir.run_config import RunConfig
-from flowc.loader import load_flow
-from flowc.run import BUILTIN_WORKLOAD, RunRequest, run
+from flowc.run import BUILTIN_WORKLOAD, run
 
 # as bench/algorithms.py runs them: one sample per prompt needs more prompts per step
 WORKLOADS = {"ppo_rlvr": "prompts=256,prompt_len=8,response_len=6"}
@@ -32,23 +31,9 @@ LEARNING = {
 
 
 def _run(tmp_path, flow: str, steps: int) -> list[dict]:
-    req = RunRequest(
-        flow=load_flow(str(EXAMPLES / f"{flow}.py")),
-        overrides={},
-        models={},
-        data=None,
-        eval_data=None,
-        rewards={},
-        cluster="local",
-        workload=WORKLOADS.get(flow, BUILTIN_WORKLOAD),
-        steps=steps,
-        out=str(tmp_path / flow),
-        resume=None,
-        rollout=None,
-        pins=[],
-        config=RunConfig(steps=steps, eval_every=20, checkpoint_every=0),
-    )
-    out = run(req, progress=False)
+    cfg = RunConfig(steps=steps, eval_every=20, checkpoint_every=0)
+    workload = WORKLOADS.get(flow, BUILTIN_WORKLOAD)
+    out = run(request(tmp_path, flow=flow, steps=steps, out=str(tmp_path / flow), workload=workload, config=cfg), progress=False)
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 

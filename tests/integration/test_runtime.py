@@ -9,34 +9,13 @@ from pathlib import Path
 
 import pytest
 import ray
-from helpers import EXAMPLES, FLOWS
+from helpers import EXAMPLES, FLOWS, request
 
 from flowc.errors import DataError, SpecError, WorkerError
 from flowc.ir.run_config import RunConfig
 from flowc.loader import load_flow
-from flowc.run import RunRequest, prepare, run
+from flowc.run import prepare, run
 from flowc.runtime.controller import Controller
-
-
-def request(tmp_path: Path, flow: str = "grpo", **kw) -> RunRequest:
-    base = dict(
-        flow=load_flow(str(EXAMPLES / f"{flow}.py")),
-        overrides={},
-        models={},
-        data=None,
-        eval_data=None,
-        rewards={},
-        cluster="local",
-        workload=None,
-        steps=3,
-        out=str(tmp_path / "run"),
-        resume=None,
-        rollout=None,
-        pins=[],
-        config=RunConfig(steps=3, eval_every=3, eval_size=64, checkpoint_every=0),
-    )
-    base.update(kw)
-    return RunRequest(**base)
 
 
 def metrics(out: Path) -> list[dict]:
