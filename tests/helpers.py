@@ -88,7 +88,7 @@ def request(tmp_path: Path, flow: str = "grpo", **kw):
         steps=3,
         out=str(tmp_path / "run"),
         resume=None,
-        rollout=None,
+        rollout="hf",  # the vLLM backend has its own tests (test_vllm.py)
         pins=[],
         config=RunConfig(steps=3, eval_every=3, eval_size=64, checkpoint_every=0),
     )

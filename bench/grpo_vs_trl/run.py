@@ -1,7 +1,7 @@
 """flowc vs TRL's GRPOTrainer on one machine, side by side in one invocation.
 
     bash bench/grpo_vs_trl/setup.sh             # TRL in its own environment (bench/.venv-trl)
-    python bench/grpo_vs_trl/run.py [--rounds 3] [--steps 12] [--sizes tiny,mid]
+    python bench/grpo_vs_trl/run.py [--rounds 3] [--steps 12] [--sizes tiny,mid] [--rollout vllm|hf]
 
 Both run GRPO without a reference model on the built-in arithmetic task with
 the same model, batch (8 prompts × 8 samples), response limit (24 tokens),
@@ -97,7 +97,7 @@ def launch(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedPro
     return r, peak[0]
 
 
-def run_flowc(model: str, steps: int, lr: float, work: Path) -> dict:
+def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None = None) -> dict:
     cfg = work / "flowc.yaml"
     cfg.write_text(f"eval_every: 0\ncheckpoint_every: 0\ndefault_optim: {{lr: {lr}}}\n")
     out = work / f"flowc-{time.time_ns()}"
@@ -118,6 +118,7 @@ def run_flowc(model: str, steps: int, lr: float, work: Path) -> dict:
         "--out",
         str(out),
         "-q",
+        *(["--rollout", rollout] if rollout else []),
     ]
     _, peak = launch(cmd, dict(os.environ))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step_s"' in x][WARMUP:]
@@ -148,6 +149,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--sizes", default="tiny,mid")
+    ap.add_argument("--rollout", default=None, help="flowc's generation backend (default: the planner's choice)")
     args = ap.parse_args()
     if not TRL_PY.exists():
         sys.exit("TRL's environment is missing: run bash bench/grpo_vs_trl/setup.sh first")
@@ -160,7 +162,7 @@ def main() -> None:
             model = model_dir(size, cache)
             results[size] = {"flowc": [], "trl": []}
             for r in range(args.rounds):
-                results[size]["flowc"].append(run_flowc(model, args.steps, args.lr, work))
+                results[size]["flowc"].append(run_flowc(model, args.steps, args.lr, work, args.rollout))
                 results[size]["trl"].append(run_trl(model, args.steps, args.lr, work))
                 print(f"{size} round {r + 1}: flowc {results[size]['flowc'][-1]}  trl {results[size]['trl'][-1]}", flush=True)
     print()

@@ -15,3 +15,21 @@ def ray_cluster():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vllm_worker(ray_cluster):
+    """One flowc rollout worker hosting one vLLM engine (the shipped tiny model) for
+    the whole session: vLLM's import and start take ~15 s, so tests share it and
+    each loads the weights it needs first. vLLM lives in the worker, never in
+    the test process."""
+    from flowc.ir.plan import Layout
+    from flowc.runtime.worker import Worker
+    from flowc.tasks import arithmetic as arith
+
+    src = str(arith.asset_dir())
+    w = Worker.options(num_cpus=1, name="flowc-test-vllm").remote("vllm-test", 0, 1, 1)
+    options = {"dtype": "float32", "seed": 0, "tokenizer": src, "max_model_len": 512, "colocated": False}
+    ray_cluster.get(w.add_engine.remote("actor/rollout", "policy", "rollout", src, Layout(backend="vllm"), options), timeout=600)
+    yield w
+    ray_cluster.kill(w)

@@ -167,7 +167,7 @@ def test_ctrl_c_stops_cleanly_and_the_checkpoint_resumes(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("checkpoint_every: 2\neval_every: 0\n")
     grpo = str(EXAMPLES / "grpo.py")
-    cmd = flowc_cmd("run", grpo, "--steps", "400", "--out", str(out), "--config", str(cfg), "-q")
+    cmd = flowc_cmd("run", grpo, "--steps", "400", "--out", str(out), "--config", str(cfg), "--rollout", "hf", "-q")
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     latest = out / "checkpoints" / "latest"
     deadline = time.time() + 300
@@ -186,7 +186,7 @@ def test_ctrl_c_stops_cleanly_and_the_checkpoint_resumes(tmp_path):
     assert p.returncode == 1 and "interrupted" in err and "--resume" in err, err[-3000:]
     step = int(latest.read_text().strip().split("-")[1])
     r = subprocess.run(
-        flowc_cmd("run", grpo, "--steps", str(step + 1), "--resume", str(out), "--config", str(cfg), "-q"),
+        flowc_cmd("run", grpo, "--steps", str(step + 1), "--resume", str(out), "--config", str(cfg), "--rollout", "hf", "-q"),
         cwd=ROOT,
         capture_output=True,
         text=True,

