@@ -391,8 +391,9 @@ class Controller:
             if st.op == "weight_sync":
                 m[f"{g[st.node].role}/sync_bytes_per_device"] = max(x["bytes"] for x in got)
                 m[f"{g[st.node].role}/sync_s"] = max(x["seconds"] for x in got)
-                (r,) = [r for r in self.s.plan.reshards if r.role == g[st.node].role and r.dst_phase == "generate"]
-                m[f"{g[st.node].role}/sync_bytes_predicted"] = r.bytes_per_device  # the planner's, beside the measured
+                # the planner's, beside the measured (one sync feeds every generate of the role, as lowered)
+                r = next(r for r in self.s.plan.reshards if r.role == g[st.node].role and r.dst_phase == "generate")
+                m[f"{g[st.node].role}/sync_bytes_predicted"] = r.bytes_per_device
         for st in self.s.program.steps:
             node = g[st.node]
             if st.op == "reward":
