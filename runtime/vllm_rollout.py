@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -154,6 +155,8 @@ class VllmRolloutEngine:
         for k, v in CPU_ENV.items():
             os.environ.setdefault(k, v)
         _quiet_vllm()
+        # vLLM's Triton shim touches a deprecated torch.distributed name on import
+        warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
         import torch.distributed as dist
         from transformers import AutoTokenizer
 
@@ -193,6 +196,7 @@ class VllmRolloutEngine:
             enable_prefix_caching=True,
             enforce_eager=not cuda,
             logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=False,
             worker_extension_cls=f"{__name__}.WeightReceiver",
             **kw,
         )
