@@ -72,6 +72,10 @@ class HardwareProfile(BaseModel):
             linear scaling each added core brings.
         host_memory_gb: host memory per node that offloaded states may use
             (GB); 0 disables offload (CPU devices: the host is the device).
+        engine_reload_ms, engine_reload_gb_s: what loading synced weights into
+            a live vLLM engine costs beyond moving them: a fixed part per sync
+            and a rate (vLLM fuses, shards and, on CPU, re-packs every weight).
+            0 and unset (free) where not measured.
         efficiency: achieved fractions (see :class:`Efficiency`).
         sources: where each figure comes from.
     """
@@ -95,6 +99,8 @@ class HardwareProfile(BaseModel):
     host_memory_gb: float = Field(0.0, ge=0)
     multicore_efficiency: float = Field(1.0, gt=0, le=1)
     comm_overlap: float = Field(0.8, ge=0, le=1)
+    engine_reload_ms: float = Field(0.0, ge=0)
+    engine_reload_gb_s: float | None = Field(None, gt=0)
     efficiency: Efficiency
     sources: dict[str, str] = {}
 

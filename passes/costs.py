@@ -47,6 +47,12 @@ class Hw:
     eff: Efficiency
     nodes: int = 1
     host_per_device_gb: float = 0.0  # host memory offloaded states may use, per device
+    reload_fixed: float = 0.0  # s per sync into a live vLLM engine, beyond moving the bytes
+    reload_bw: float = math.inf  # B/s of that reload
+
+    def engine_reload(self, backend: str, nbytes: float) -> float:
+        """Seconds a rollout engine spends taking ``nbytes`` of synced weights in (vLLM only)."""
+        return self.reload_fixed + nbytes / self.reload_bw if backend == "vllm" else 0.0
 
     @classmethod
     def of(cls, cluster: ClusterSpec) -> Hw:
@@ -68,6 +74,8 @@ class Hw:
             eff=p.efficiency,
             nodes=cluster.nodes,
             host_per_device_gb=0.8 * p.host_memory_gb / p.devices_per_node,
+            reload_fixed=p.engine_reload_ms * 1e-3,
+            reload_bw=p.engine_reload_gb_s * GB if p.engine_reload_gb_s else math.inf,
         )
 
     def link(self, group: int, stride: int = 1) -> float:

@@ -35,10 +35,15 @@ Let ``M`` be the weights' bytes. Methods:
 rectangle of the weights to which device; tests check that every piece of
 every generation shard arrives exactly once and that no method moves fewer
 bytes than :func:`lower_bound_bytes`.
+
+Every method ends with the generation engine taking its shard in. For a
+vLLM engine that is an in-place reload whose measured cost (a fixed part and
+a rate, ``engine_reload_*`` in the hardware profile) is added to the time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -112,6 +117,12 @@ def _micro_dp_link(hw: Hw, train: Layout, gen: Layout) -> tuple[float, str]:
     return (min(hw.intra, hw.inter) if crosses else hw.intra), ("inter-node" if crosses else "intra-node")
 
 
+def _with_reload(options: list[ReshardCost], m: ModelSpec, gen: Layout, hw: Hw) -> list[ReshardCost]:
+    """Every method ends with the engine taking its shard in (vLLM's in-place reload)."""
+    reload = hw.engine_reload(gen.backend, float(m.weight_bytes) / gen_shards(gen))
+    return [dataclasses.replace(o, time=o.time + reload) for o in options] if reload else options
+
+
 def colocated_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw) -> list[ReshardCost]:
     """Methods available when training and generation share devices.
 
@@ -140,14 +151,14 @@ def colocated_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw) -> list[
         extra = own_copy if own_copy is not None else per_dev / 1e9
         out.append(ReshardCost("micro_dp_allgather", per_dev, per_dev * devices, t, link, extra))
     if s_t == 1:
-        return out  # nothing to gather
+        return _with_reload(out, m, gen, hw)  # nothing to gather
     crosses = hw.nodes > 1 and devices > hw.node
     bw = min(hw.intra, hw.inter) if crosses else hw.intra
     per_dev = big_m * (s_t - 1) / s_t
     t = gather_time(big_m, s_t, bw, hw.latency) + wake
     extra = own_copy if own_copy is not None else max(big_m / s_g - big_m / s_t, 0.0) / 1e9
     out.append(ReshardCost("full_allgather", per_dev, per_dev * devices, t, "inter-node" if crosses else "intra-node", extra))
-    return out
+    return _with_reload(out, m, gen, hw)
 
 
 def separate_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw, *, same_node: bool) -> list[ReshardCost]:
@@ -166,7 +177,7 @@ def separate_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw, *, same_n
     send_bytes = big_m * gen.dp / train.world  # every generation replica needs the whole model once
     p2p = max(big_m / s_g / link_bw, send_bytes / link_bw) + math.ceil(big_m / s_g / 256e6) * hw.latency
     out.append(ReshardCost("p2p", big_m / s_g, big_m * gen.dp, p2p, link, gen_w))
-    return out
+    return _with_reload(out, m, gen, hw)
 
 
 def best(options: list[ReshardCost], method: str | None = None) -> ReshardCost | None:

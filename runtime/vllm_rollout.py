@@ -132,9 +132,6 @@ class WeightReceiver:
         _retie_lm_head(runner.get_model())
         return sum(t.numel() * t.element_size() for _, t in weights)
 
-    def flowc_param_names(self) -> list[str]:
-        return [n for n, _ in self.model_runner.model.named_parameters()]  # type: ignore[attr-defined]
-
 
 class VllmRolloutEngine:
     """Generation with the ``vllm`` backend."""
