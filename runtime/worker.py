@@ -113,7 +113,7 @@ class Worker:
             )
             bulk, meta["texts"] = r, texts
             meta["tokens"] = int(r.response_mask.sum())
-            meta["slept"] = eng.sleep() if hasattr(eng, "sleep") else False  # free the KV cache for training (CUDA)
+            meta["slept"] = eng.sleep()  # free the KV cache for training (vLLM on CUDA)
         elif method in ("logprobs", "values", "score"):
             bulk = eng.forward(values["rollout"], args["micro"])
         elif method == "update":
