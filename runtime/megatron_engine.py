@@ -1,0 +1,511 @@
+"""The ``megatron`` training backend: a trained or frozen role on Megatron-core
+with the plan's tensor (tp), pipeline (pp), expert (ep) and data (dp)
+parallelism.
+
+One engine per worker process; the pool's torch.distributed world is
+Megatron's world. Its parallel state is initialised once per process in
+Megatron's rank order (tp fastest, then dp, pp slowest: ``tp-cp-ep-dp-pp``),
+which ``runtime.ranks`` mirrors so the controller sends every rank of a
+data-parallel replica the same rows and keeps the output of one rank
+(tp rank 0 of the last stage).
+
+Training uses Megatron's DistributedDataParallel and distributed optimizer
+(Adam, gradient clipping) and its forward-backward schedules (1F1B when
+pp > 1); the objective is the same function the ``fsdp2`` backend uses
+(``engines.objective``), on log-probabilities taken over the vocabulary as tp
+splits it. Megatron's optimizer and schedules allocate CUDA tensors, so this
+backend needs GPUs; its model, tensor parallelism and weight mapping also run
+on CPU under the test shim (``tests/megatron_cpu.py``), which is how CI checks
+them.
+
+Weight sync streams HF tensors one parameter at a time: each tp shard is
+broadcast from the rank that holds it, every rank merges it (no rank ever holds
+more than one whole parameter beyond what it already has), and the consumer
+(a rollout engine, or the object-store buckets) takes it from there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowc.errors import DataError, SpecError
+from flowc.ir.functional import Rollout
+from flowc.ir.losses import PREFERENCE_LOSSES, denominator_kind
+from flowc.ir.plan import Layout
+from flowc.ir.run_config import OptimConfig
+from flowc.runtime.batches import num_rows, slice_rows
+from flowc.runtime.engines import _chunk_ranges, _chunks, _pad_right, objective, trim
+from flowc.runtime.megatron_model import at_responses, build_model, pack, vocab_parallel_logprobs
+from flowc.runtime.megatron_weights import (
+    Degrees,
+    HFCheckpoint,
+    MegatronArch,
+    check_degrees,
+    fuse_experts,
+    hf_params,
+    rules,
+    shard_shape,
+    to_megatron,
+)
+
+# Megatron keeps its parallel state (process groups, ranks) in module globals of
+# ``megatron.core.parallel_state``. Roles a plan co-locates may use different
+# degrees (a policy on dp2·pp8 beside a reference on pp16), so each set of
+# degrees gets its own state, built once, and an engine switches it in before
+# it runs (the groups stay alive; switching is a dict update).
+_STATES: dict[tuple[int, ...], dict[str, Any]] = {}
+_ACTIVE: list[tuple[int, ...] | None] = [None]
+_PRISTINE: dict[str, Any] = {}
+
+
+def _globals() -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    return {k: v for k, v in vars(ps).items() if k.startswith("_") and k[1:2].isupper() and k.upper() == k}
+
+
+def megatron_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron.core") is not None
+
+
+def _device() -> torch.device:
+    if not torch.cuda.is_available() and not getattr(torch.cuda, "flowc_cpu_shim", False):
+        raise SpecError(
+            "the megatron backend needs CUDA GPUs: Megatron-core's optimizer and schedules allocate CUDA tensors",
+            fix="on CPUs train with backend=fsdp2 (the planner's choice there)",
+        )
+    return torch.device(torch.cuda.current_device())
+
+
+def activate(key: tuple[int, ...]) -> None:
+    """Switch Megatron's parallel state to the one built for ``key``."""
+    from megatron.core import parallel_state as ps
+
+    if _ACTIVE[0] != key:
+        vars(ps).update(_STATES[key])
+        _ACTIVE[0] = key
+
+
+def init_parallel(layout: Layout, seed: int) -> tuple[tuple[int, ...], Degrees]:
+    """Megatron's parallel state for this layout's degrees (built once per
+    process and set of degrees, every rank of the pool in the same order), active."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if layout.cp > 1:
+        raise SpecError(
+            f"megatron backend: context parallelism (cp={layout.cp}) needs Transformer Engine's attention, which flowc does not use yet",
+            fix="pin cp=1 for this role (e.g. actor.train.cp=1)",
+        )
+    if not dist.is_initialized():
+        raise SpecError("the megatron backend needs a torch.distributed world", fix="run it inside a worker group")
+    world = dist.get_world_size()
+    if layout.dp * layout.tp * layout.pp * layout.cp != world:
+        raise SpecError(
+            f"megatron layout dp({layout.dp})*tp({layout.tp})*pp({layout.pp})*cp({layout.cp}) != world({world})",
+            fix="re-plan: the layout does not cover its pool",
+        )
+    key = (layout.tp, layout.pp, layout.cp, layout.ep)
+    if key not in _STATES:
+        if not _PRISTINE:
+            _PRISTINE.update(_globals())
+        vars(ps).update(_PRISTINE)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=1,  # experts split whole over ep, as the planner prices them
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        _STATES[key] = _globals()
+        _ACTIVE[0] = key
+    activate(key)
+    return key, Degrees(
+        tp=layout.tp,
+        pp=layout.pp,
+        ep=layout.ep,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+    )
+
+
+class MegatronEngine:
+    """A role on Megatron-core: trained (``optim`` given) or frozen (reference, reward)."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        kind: str,
+        source: str,
+        layout: Layout,
+        dtype: torch.dtype,
+        seed: int,
+        optim: OptimConfig | None = None,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        self.device = _device()
+        self.role, self.kind, self.layout, self.source_dir, self.optim_cfg = role, kind, layout, source, optim
+        self.hf = AutoConfig.from_pretrained(source)
+        self.arch = MegatronArch.from_hf_config(self.hf)
+        self.key, self.deg = init_parallel(layout, seed)
+        check_degrees(self.arch, self.deg)
+        self.critic = kind in ("critic", "reward")
+        model = build_model(self.hf, self.deg, dtype=dtype, value_head=self.critic, cuda=torch.cuda.is_available())
+        state = to_megatron(HFCheckpoint(source), self.arch, self.deg, lm_head=not self.critic)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith("output_layer.linear")]
+        if missing or unexpected:
+            raise DataError(
+                f"{role}: Megatron weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
+        # a frozen role with offloaded weights keeps them in host memory between its ops
+        self.resident = optim is not None or not layout.offload_params
+        self.model: Any = model.to(self.device) if self.resident else model
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp = ps.get_data_parallel_world_size()
+        self.last_stage = self.deg.pp_rank == self.deg.pp - 1
+        self.is_output = self.last_stage and self.deg.tp_rank == 0
+        # (tp, pp, ep) coordinates of every rank: where each shard of a parameter lives
+        coords: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (self.deg.tp_rank, self.deg.pp_rank, self.deg.ep_rank))
+        self.coords = coords
+        self.updates = 0
+        self.last_received = 0.0
+        if optim is not None:
+            self._make_trainable(optim, dtype)
+        else:
+            self.model.eval()
+
+    def _make_trainable(self, optim: OptimConfig, dtype: torch.dtype) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.model.config
+        self.model = DistributedDataParallel(
+            cfg,
+            DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+            self.model,
+        )
+        cfg.finalize_model_grads_func = finalize_model_grads  # the data-parallel (and tied-embedding) gradient reduction
+        cfg.no_sync_func = self.model.no_sync
+        self.opt = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.betas[0],
+                adam_beta2=optim.betas[1],
+                clip_grad=optim.max_grad_norm if optim.max_grad_norm > 0 else 0.0,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                params_dtype=dtype,
+                use_distributed_optimizer=True,
+                optimizer_cpu_offload=self.layout.offload_optimizer,  # Adam's state and step on the host
+            ),
+            [self.model],
+        )
+        self.model.train()
+
+    # ------------------------------------------------------------ the model
+    def _lr(self) -> float:
+        cfg = self.optim_cfg
+        assert cfg is not None
+        warm = max(cfg.warmup_steps, 0)
+        return cfg.lr * (min(1.0, (self.updates + 1) / warm) if warm else 1.0)
+
+    def score(self, output: torch.Tensor, part: Rollout, packed: Any, *, with_entropy: bool = False) -> Any:
+        """The last stage's outputs at the response positions: log-probabilities
+        (and entropy) for a policy or reference, values for a critic or reward model."""
+        activate(self.key)
+        out = at_responses(output, packed)
+        if self.critic:
+            return out.squeeze(-1).float()
+        return vocab_parallel_logprobs(out, part.response_ids.to(out.device), self.arch.vocab, with_entropy=with_entropy)
+
+    def _run(self, parts: list[Rollout], loss_fn: Any, *, forward_only: bool) -> list[dict[str, Any]]:
+        """Megatron's schedule over the micro-batches ``parts``; ``loss_fn(part,
+        packed, output)`` runs on the last stage and returns (loss, stats)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        packs = [pack(p.prompt_ids, p.prompt_mask, p.response_ids) for p in parts]
+        items = iter(list(zip(parts, packs, strict=True)))
+        dev = self.device
+        if forward_only and self.deg.pp == 1:  # no pipeline: the schedule would only loop over micro-batches
+            out = []
+            for part, packed in zip(parts, packs, strict=True):
+                s = packed.ids.shape[1]
+                ids = packed.ids.to(dev)
+                pos = torch.arange(s, device=dev).unsqueeze(0).expand_as(ids)
+                out.append(loss_fn(part, packed, self.model(ids, pos, packed.causal.to(dev)))[1])
+            return out
+
+        # pipeline stages exchange [S, B, H] activations of one fixed shape: pad every micro-batch to it
+        shape = (max(p.ids.shape[0] for p in packs), max(p.ids.shape[1] for p in packs))
+
+        def step(data: Iterator[Any], model: Any) -> tuple[torch.Tensor, Any]:
+            part, packed = next(data)
+            n, s = packed.ids.shape
+            ids = torch.zeros(shape, dtype=packed.ids.dtype)
+            ids[:n, :s] = packed.ids
+            ids = ids.to(dev)
+            pos = torch.arange(shape[1], device=dev).unsqueeze(0).expand_as(ids)
+            causal = torch.ones((1, 1, shape[1], shape[1]), dtype=torch.bool, device=dev).triu(1)
+            out = model(ids, pos, causal)
+            return out, lambda o, part=part, packed=packed, n=n: loss_fn(part, packed, o[:n])
+
+        return get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=items,
+            model=[self.model],
+            num_microbatches=len(parts),
+            seq_length=shape[1],
+            micro_batch_size=shape[0],
+            forward_only=forward_only,
+        )
+
+    def _parts(self, r: Rollout, micro: int, unit: int = 1) -> tuple[list[Rollout], list[int]]:
+        """Micro-batches of this replica's rows (the count agreed by every rank,
+        as expert parallelism exchanges tokens across replicas) and their real rows."""
+        rows = num_rows(r)
+        k = _chunks(rows // unit, max(1, micro // unit))
+        parts, real = [], []
+        for lo, hi in _chunk_ranges(rows, k, unit):
+            parts.append(trim(slice_rows(r, lo, hi) if hi > lo else slice_rows(r, 0, unit)))
+            real.append(hi - lo)
+        return parts, real
+
+    # ------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(self, r: Rollout, micro: int) -> torch.Tensor | None:
+        """Log-probabilities / values ``[n, R]`` (reward models: scores ``[n]``) of
+        this replica's rows, on its output rank; ``None`` on the others."""
+        activate(self.key)
+        width = r.response_ids.shape[1]
+        parts, real = self._parts(r, micro)
+        self.model.eval()
+        if not self.resident:
+            self.model.to(self.device)  # swapped in for the op
+
+        def keep(part: Rollout, packed: Any, output: torch.Tensor):
+            return output.new_zeros(()), {"out": self.score(output, part, packed).cpu()}
+
+        got = self._run(parts, keep, forward_only=True)
+        if not self.resident:
+            self.model.to("cpu")
+        if self.optim_cfg is not None:
+            self.model.train()
+        if not self.is_output:
+            return None
+        outs = []
+        for n, part, g in zip(real, parts, got, strict=True):
+            out = g["out"][:n]
+            if self.kind == "reward":  # a reward model scores a sequence at its last response token
+                last = (part.response_mask[:n].long().sum(-1) - 1).clamp(min=0)
+                outs.append(out.gather(1, last.unsqueeze(-1)).squeeze(-1))
+            else:
+                outs.append(_pad_right(out, width))
+        if not outs:
+            return torch.zeros(0) if self.kind == "reward" else torch.zeros((0, width))
+        return torch.cat(outs, dim=0)
+
+    # -------------------------------------------------------------- update
+    def update(
+        self,
+        r: Rollout,
+        tensors: dict[str, torch.Tensor],
+        *,
+        loss: Any,
+        kl_coef: float,
+        kl_kind: str,
+        entropy_coef: float,
+        mini_sizes: list[int],
+        epochs: int,
+        micro: int,
+    ) -> dict[str, float]:
+        """Optimizer updates over this replica's rows, mini-batch by mini-batch,
+        as the ``fsdp2`` backend makes them (same objective and normalisation)."""
+        activate(self.key)
+        from megatron.core import parallel_state as ps
+
+        if self.optim_cfg is None:
+            raise DataError(f"{self.role} is frozen; it has no update")
+        t0 = time.perf_counter()
+        bounds, start = [], 0
+        for size in mini_sizes:
+            bounds.append((start, start + size))
+            start += size
+        if start != num_rows(r):
+            raise DataError(f"{self.role}.update: mini-batches of {start} rows for {num_rows(r)} rows")
+        unit = 2 if isinstance(loss, PREFERENCE_LOSSES) else 1
+        stats: dict[str, float] = {}
+        weight = 0.0
+        norms = []
+        for _epoch in range(epochs):
+            for mlo, mhi in bounds:
+                mb = slice_rows(r, mlo, mhi)
+                ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
+                count_tokens = denominator_kind(loss.agg) == "tokens"
+                local = torch.tensor([float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)], device=self.device)
+                dist.all_reduce(local, group=self.dp_group)  # every row once: replicas hold disjoint rows
+                denom = max(float(local.item()), 1.0)
+                parts, real = self._parts(mb, micro, unit)
+                starts = [0]
+                for n in real:
+                    starts.append(starts[-1] + n)
+                by_part = {id(p): (a, n) for p, a, n in zip(parts, starts, real, strict=False)}
+                scale = float(len(parts) * self.dp)  # Megatron divides by micro-batches and averages over replicas
+
+                def loss_fn(part: Rollout, packed: Any, output: torch.Tensor, ts=ts, denom=denom, scale=scale, by_part=by_part):
+                    a, n = by_part[id(part)]
+                    width = part.response_ids.shape[1]
+                    pt = {k: slice_rows(v, a, a + n) if n else slice_rows(v, 0, unit) for k, v in ts.items()}
+                    pt = {k: (v[:, :width] if v.dim() == 2 else v).to(output.device) for k, v in pt.items()}
+                    dev_part = _to(part, output.device)
+                    obj, st = objective(
+                        self.kind,
+                        self.role,
+                        dev_part,
+                        pt,
+                        loss,
+                        kl_coef,
+                        kl_kind,
+                        entropy_coef,
+                        denom,
+                        lambda e: self.score(output, dev_part, packed, with_entropy=e),
+                    )
+                    return obj * (scale if n else 0.0), {"stats": st, "rows": float(n)}
+
+                self.model.zero_grad_buffer()
+                self.opt.zero_grad()
+                got = self._run(parts, loss_fn, forward_only=False)
+                for g in self.opt.param_groups:
+                    g["lr"] = self._lr()
+                ok, grad_norm, _ = self.opt.step()
+                if not ok:
+                    raise DataError(f"{self.role}: Megatron's optimizer skipped a step (non-finite gradients)")
+                norms.append(float(grad_norm or 0.0))
+                self.updates += 1
+                for g in got:
+                    for key, val in g["stats"].items():
+                        stats[key] = stats.get(key, 0.0) + val * g["rows"]
+                    weight += g["rows"]
+        out = {k: v / max(weight, 1.0) for k, v in stats.items()}
+        # the last stage computed the statistics; every rank of the replica reports them
+        box = [out]
+        if self.deg.pp > 1:
+            dist.broadcast_object_list(
+                box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+            )
+        out = dict(box[0])
+        out["grad_norm"] = sum(norms) / max(len(norms), 1)
+        out["lr"] = self._lr()
+        out["updates"] = float(self.updates)
+        out["update_s"] = time.perf_counter() - t0
+        return out
+
+    # ---------------------------------------------------------------- sync
+    def _holder(self, tp_rank: int, pp_rank: int, ep_rank: int | None) -> int:
+        """The first global rank holding shard ``tp_rank`` of stage ``pp_rank`` (and expert rank)."""
+        for g, (t, p, e) in enumerate(self.coords):
+            if t == tp_rank and p == pp_rank and (ep_rank is None or e == ep_rank):
+                return g
+        raise AssertionError((tp_rank, pp_rank, ep_rank))
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF parameter, one at a time, on every rank (a collective: all
+        ranks iterate to the end). ``last_received`` counts the bytes this rank
+        received from others."""
+        activate(self.key)
+        own = dict(self._module().named_parameters())
+        dtype = next(iter(own.values())).dtype
+        me = dist.get_rank()
+        self.last_received = 0.0
+        experts = bool(self.arch.num_experts)
+        for p in range(self.deg.pp):
+            for e in range(self.deg.ep if experts else 1):
+                d = self.deg.at(0, p, e)
+
+                def gather(rule: Any, p=p, e=e, d=d) -> list[torch.Tensor]:
+                    expert = rule.kind.startswith("expert")
+                    tps = [0] if rule.kind == "rep" or expert else range(self.deg.tp)
+                    out = []
+                    for t in tps:
+                        src = self._holder(t, p, e if expert else None)
+                        mine = p == self.deg.pp_rank and (t == self.deg.tp_rank or rule.kind == "rep")
+                        mine = mine and (not expert or e == self.deg.ep_rank)
+                        if src == me or mine:  # this rank holds the same tensor: nothing to receive
+                            buf = own[rule.megatron].detach().contiguous()
+                        else:
+                            buf = torch.empty(shard_shape(rule, self.arch, d.at(t, p, e)), dtype=dtype, device=self.device)
+                            self.last_received += buf.numel() * buf.element_size()
+                        dist.broadcast(buf, src=src)
+                        out.append(buf)
+                    return out
+
+                # every rank walks the rules in the same order, so the broadcasts match
+                yield from hf_params(self.arch, d, gather, lm_head=not self.critic, experts_only=e > 0)
+
+    def full_params(self) -> tuple[dict[str, torch.Tensor], float]:
+        """Every HF parameter whole (for export); prefer ``weights()`` for syncs."""
+        out = dict(self.weights())
+        return out, self.last_received
+
+    def _module(self) -> Any:
+        return self.model.module if hasattr(self.model, "module") else self.model
+
+    # ---------------------------------------------------------- checkpoint
+    def state(self) -> dict[str, Any]:
+        activate(self.key)
+        st: dict[str, Any] = {"model": self._module().state_dict(), "updates": self.updates}
+        if self.optim_cfg is not None:
+            st["optim"] = self.opt.state_dict()
+            st["optim_params"] = self.opt.get_parameter_state_dp_reshardable()
+        return st
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        activate(self.key)
+        self._module().load_state_dict(state["model"], strict=False)
+        if self.optim_cfg is not None:
+            self.opt.load_state_dict(state["optim"])
+            self.opt.load_parameter_state_from_dp_reshardable(state["optim_params"])
+        self.updates = state["updates"]
+
+    def export_hf(self, path: str, tokenizer_source: str | None) -> None:
+        """The trained model in HF format (rank 0 writes)."""
+        from flowc.runtime.modeling import load_causal_lm
+
+        params, _ = self.full_params()
+        if dist.get_rank() != 0:
+            return
+        lm = load_causal_lm(self.source_dir, dtype=next(iter(params.values())).dtype)
+        state = fuse_experts({name: t.cpu() for name, t in params.items()})  # transformers 5's module layout
+        target = lm.model if self.critic else lm
+        if self.critic:
+            state = {k.removeprefix("model."): v for k, v in state.items()}
+        missing, unexpected = target.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if self.arch.tie else set()
+        if unexpected or set(missing) - tied:
+            raise DataError(f"exporting {self.role}: weights do not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        lm.save_pretrained(path, safe_serialization=True)
+        if tokenizer_source:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(path)
+
+
+def _to(r: Rollout, device: torch.device) -> Rollout:
+    return Rollout(*(x.to(device) for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, r.logprobs)))
+
+
+__all__ = ["MegatronEngine", "init_parallel", "megatron_available", "rules"]

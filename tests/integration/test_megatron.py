@@ -1,0 +1,248 @@
+"""The ``megatron`` backend's model on real torch.distributed (gloo, two
+processes) under the CPU test shim: tensor-parallel log-probabilities and
+gradients equal the HF model's (the ``fsdp2`` backend's) on the same weights,
+pipeline stages compose to the same model, weights stream back to HF names
+bit-identically with the bytes the planner predicts, and an MoE model splits
+its experts over ep. Megatron's optimizer and schedules need CUDA: the update
+path is covered by ``test_megatron_gpu.py``."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flowc.ir.functional import Rollout
+from flowc.ir.plan import Layout
+from flowc.tasks.arithmetic import asset_dir
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+
+
+def batch(vocab: int = 16):
+    """Prompts of different lengths (left padding) and responses with right padding."""
+    g = torch.Generator().manual_seed(0)
+    n, p, r = 6, 7, 5
+    ids = torch.randint(3, vocab, (n, p), generator=g)
+    pmask = torch.ones(n, p, dtype=torch.bool)
+    for i, k in enumerate([0, 2, 0, 4, 1, 3]):
+        pmask[i, :k] = False
+        ids[i, :k] = 0
+    rids = torch.randint(3, vocab, (n, r), generator=g)
+    rmask = torch.ones(n, r, dtype=torch.bool)
+    rmask[1, 3:] = False
+    rmask[4, 1:] = False
+    return Rollout(ids, pmask, rids, rmask, torch.zeros(n, r)), torch.randn(n, r, generator=g)
+
+
+def _hf(source):
+    from flowc.runtime.modeling import load_causal_lm
+
+    return load_causal_lm(source, dtype=torch.float32)
+
+
+def _start(rank: int, world: int, init: str) -> None:
+    import megatron_cpu
+
+    megatron_cpu.install()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+
+
+def _engine(source: str, layout: Layout, kind: str = "reference"):
+    from flowc.runtime.megatron_engine import MegatronEngine
+
+    return MegatronEngine(role="ref", kind=kind, source=source, layout=layout, dtype=torch.float32, seed=0)
+
+
+def _stream_check(eng, source: str, out: dict) -> None:
+    """Every rank streams the whole model; it equals the checkpoint bit for bit."""
+    from flowc.runtime.megatron_weights import HFCheckpoint
+
+    ckpt = HFCheckpoint(source)
+    got = dict(eng.weights())
+    want = {n: ckpt(n) for n in ckpt.names() if n != "lm_head.weight" or not eng.arch.tie}
+    out["stream_keys_equal"] = sorted(got) == sorted(want)
+    out["stream_bit_identical"] = all(torch.equal(got[n], want[n]) for n in want if n in got)
+    out["received"] = eng.last_received
+    out["model_bytes"] = sum(t.numel() * t.element_size() for t in want.values())
+
+
+def tp_worker(rank: int, world: int, init: str, out) -> None:
+    """tp=2: log-probabilities through the engine, gradients through the model, the weight stream."""
+    _start(rank, world, init)
+    from flowc.runtime.megatron_model import pack
+    from flowc.runtime.megatron_weights import merge, rules
+    from flowc.runtime.modeling import response_logprobs
+
+    source = str(asset_dir())
+    eng = _engine(source, Layout(dp=1, tp=2, backend="megatron"))
+    r, w = batch()
+    res: dict = {}
+    lp = eng.forward(r, micro=4)  # two micro-batches
+    hf = _hf(source)
+    want = response_logprobs(hf, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+    if rank == 0:
+        res["forward_err"] = float(((lp - want.detach()) * r.response_mask).abs().max())
+    else:
+        res["forward_none"] = lp is None
+    # gradients of one objective, Megatron (tp=2) against HF
+    packed = pack(r.prompt_ids, r.prompt_mask, r.response_ids)
+    pos = torch.arange(packed.ids.shape[1]).unsqueeze(0).expand_as(packed.ids)
+    logp, ent = eng.score(eng.model(packed.ids, pos, packed.causal), r, packed, with_entropy=True)
+    loss = ((logp * w + 0.1 * ent) * r.response_mask).sum()
+    loss.backward()
+    hlp, hent = response_logprobs(hf, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, with_entropy=True)
+    ((hlp * w + 0.1 * hent) * r.response_mask).sum().backward()
+    hgrad = {n: p.grad for n, p in hf.named_parameters()}
+    own = dict(eng.model.named_parameters())
+    worst = 0.0
+    for rule in rules(eng.arch, eng.deg):
+        g = own[rule.megatron].grad
+        parts = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(parts, g.contiguous())
+        if rule.kind == "rep":
+            parts = parts[:1]
+        for name, t in zip(rule.hf, merge(rule, parts, eng.arch), strict=True):
+            err = float((t - hgrad[name]).abs().max() / hgrad[name].abs().max().clamp(min=1e-12))
+            worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
+    res["grad_rel_err"] = worst
+    _stream_check(eng, source, res)
+    out[rank] = res
+    dist.destroy_process_group()
+
+
+def pp_worker(rank: int, world: int, init: str, out) -> None:
+    """pp=2 by hand (Megatron's 1F1B schedule needs CUDA): stage 0's hidden states into stage 1."""
+    _start(rank, world, init)
+    from flowc.runtime.megatron_model import pack
+    from flowc.runtime.modeling import response_logprobs
+
+    source = str(asset_dir())
+    eng = _engine(source, Layout(dp=1, pp=2, backend="megatron"))
+    r, _ = batch()
+    packed = pack(r.prompt_ids, r.prompt_mask, r.response_ids)
+    pos = torch.arange(packed.ids.shape[1]).unsqueeze(0).expand_as(packed.ids)
+    res: dict = {}
+    with torch.no_grad():
+        if rank == 0:
+            hidden = eng.model(packed.ids, pos, packed.causal)
+            dist.send(hidden.contiguous(), dst=1)
+        else:
+            hidden = torch.empty(packed.ids.shape[1], packed.ids.shape[0], eng.arch.hidden)
+            dist.recv(hidden, src=0)
+            eng.model.set_input_tensor(hidden)
+            lp = eng.score(eng.model(packed.ids, pos, packed.causal), r, packed)
+            want = response_logprobs(_hf(source), r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+            res["forward_err"] = float(((lp - want) * r.response_mask).abs().max())
+    _stream_check(eng, source, res)
+    out[rank] = res
+    dist.destroy_process_group()
+
+
+def mixed_worker(rank: int, world: int, init: str, out) -> None:
+    """Two roles of one pool on different degrees (tp=2 and dp=2) switch Megatron's
+    parallel state in and out; each keeps answering like the HF model. Ranks
+    agree with runtime.ranks."""
+    _start(rank, world, init)
+    from megatron.core import parallel_state as ps
+
+    from flowc.runtime.modeling import response_logprobs
+    from flowc.runtime.ranks import output_ranks, replica_of
+
+    source = str(asset_dir())
+    tp_layout, dp_layout = Layout(dp=1, tp=2, backend="megatron"), Layout(dp=2, backend="megatron")
+    a = _engine(source, tp_layout)
+    b = _engine(source, dp_layout)
+    r, _ = batch()
+    want = response_logprobs(_hf(source), r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask).detach()
+    res: dict = {"errs": []}
+    for eng, lay in ((a, tp_layout), (b, dp_layout), (a, tp_layout)):
+        rows = (
+            r
+            if lay.dp == 1
+            else Rollout(*(x[rank::2] for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, r.logprobs)))
+        )
+        lp = eng.forward(rows, micro=3)
+        res["replica_ok"] = res.get("replica_ok", True) and ps.get_data_parallel_rank() == replica_of(lay)[rank]
+        if rank in output_ranks(lay):
+            w = want if lay.dp == 1 else want[rank::2]
+            res["errs"].append(float(((lp - w) * rows.response_mask).abs().max()))
+        else:
+            res["errs"].append(None if lp is None else float("inf"))
+    out[rank] = res
+    dist.destroy_process_group()
+
+
+def _moe_dir(path: str) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=40, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def ep_worker(rank: int, world: int, init: str, source: str, out) -> None:
+    """ep=2 over two data-parallel ranks: each holds half the experts; the forward equals HF's."""
+    _start(rank, world, init)
+    from flowc.runtime.modeling import response_logprobs
+
+    eng = _engine(source, Layout(dp=2, ep=2, backend="megatron"))
+    r, _ = batch(vocab=40)
+    res: dict = {"local_experts": sum(1 for n, _ in eng.model.named_parameters() if "local_experts" in n and "fc1" in n)}
+    lp = eng.forward(r, micro=6)
+    want = response_logprobs(_hf(source), r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+    res["forward_err"] = float(((lp - want) * r.response_mask).abs().max())
+    _stream_check(eng, source, res)
+    out[rank] = res
+    dist.destroy_process_group()
+
+
+def _spawn(fn, *args) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = mp.Manager().dict()
+        mp.spawn(fn, args=(2, f"file://{d}/rdv", *args, out), nprocs=2, join=True)
+        return dict(out)
+
+
+def test_tensor_parallel_logprobs_gradients_and_weight_stream():
+    res = _spawn(tp_worker)
+    assert res[0]["forward_err"] < 1e-5, res[0]
+    assert res[1]["forward_none"]  # only tp rank 0 of the last stage answers for its replica
+    for rank in (0, 1):
+        assert res[rank]["grad_rel_err"] < 1e-4, res[rank]
+        assert res[rank]["stream_keys_equal"] and res[rank]["stream_bit_identical"]
+    # every rank receives what its own shard lacks: the other tp half of the split weights
+    for rank in (0, 1):
+        assert 0.3 * res[rank]["model_bytes"] < res[rank]["received"] < 0.7 * res[rank]["model_bytes"]
+
+
+def test_pipeline_stages_compose_to_the_hf_model():
+    res = _spawn(pp_worker)
+    assert res[1]["forward_err"] < 1e-5, res[1]
+    for rank in (0, 1):
+        assert res[rank]["stream_keys_equal"] and res[rank]["stream_bit_identical"]
+
+
+def test_roles_on_different_degrees_share_a_pool():
+    res = _spawn(mixed_worker)
+    assert res[0]["errs"][0] < 1e-5 and res[1]["errs"][0] is None  # tp=2: rank 0 answers
+    assert res[0]["errs"][1] < 1e-5 and res[1]["errs"][1] < 1e-5  # dp=2: both answer for their rows
+    assert res[0]["errs"][2] < 1e-5  # back on tp=2
+    assert res[0]["replica_ok"] and res[1]["replica_ok"]
+
+
+def test_expert_parallel_moe_model(tmp_path):
+    res = _spawn(ep_worker, _moe_dir(str(tmp_path)))
+    for rank in (0, 1):
+        assert res[rank]["local_experts"] == 2 * 2  # 2 layers x 2 of 4 experts
+        assert res[rank]["forward_err"] < 1e-5, res[rank]
+        assert res[rank]["stream_keys_equal"] and res[rank]["stream_bit_identical"]
