@@ -37,10 +37,13 @@ BUILTIN_STEPS = 800  # ~7 minutes on 2 CPU cores; held-out accuracy rises by ~20
 BUILTIN_EVAL_EVERY = 20
 
 # What the runtime's backends execute today; the plan is computed within it.
+BACKEND_LIMITS = {
+    "fsdp2": {"tp": 1, "pp": 1, "cp": 1, "ep": 1},  # FSDP2 (or replicated) over the whole pool
+    "megatron": {"cp": 1},  # context parallelism needs Transformer Engine's attention (not used yet)
+}
 RUNTIME_PINS = {
-    "train": ["backend=fsdp2", "tp=1", "pp=1", "cp=1", "ep=1"],
-    "forward": ["backend=fsdp2", "tp=1", "pp=1", "cp=1", "ep=1"],
-    "generate": ["pp=1"],
+    "cpu": {"train": ["backend=fsdp2"], "forward": ["backend=fsdp2"], "generate": ["pp=1"]},  # Megatron needs CUDA
+    "gpu": {"generate": ["pp=1"]},
 }
 
 
@@ -227,22 +230,26 @@ def rollout_backend(rollout: str | None, device: str) -> str:
 
 def runtime_pins(g: FlowGraph, rollout: str | None, device: str = "cpu") -> Pins:
     """Pins that keep the plan within what the runtime's backends execute:
-    FSDP2 for training and forward roles; generation on ``rollout_backend``,
-    with tensor parallelism only where vLLM runs on GPUs."""
+    on CPUs FSDP2 for training and forward roles, on GPUs FSDP2 without model
+    parallelism or Megatron-core with tp/pp/ep; generation on
+    ``rollout_backend``, with tensor parallelism only where vLLM runs on GPUs."""
     from flowc.ir.ops import PHASE_OF_OP
+    from flowc.passes.pins import PhasePin
 
     backend = rollout_backend(rollout, device)
+    fixed = RUNTIME_PINS["cpu" if device == "cpu" else "gpu"]
     words = []
     for role, info in g.roles.items():
         if info.kind == "reward":
             continue
         for ph in sorted({PHASE_OF_OP[n.op] for n in g.nodes_of_role(role) if n.op in PHASE_OF_OP}):
-            words += [f"{role}.{ph}.{x}" for x in RUNTIME_PINS[ph]]
+            words += [f"{role}.{ph}.{x}" for x in fixed.get(ph, [])]
             if ph == "generate":
                 words.append(f"{role}.generate.backend={backend}")
                 if backend == "hf" or device == "cpu":
                     words.append(f"{role}.generate.tp=1")
-    return parse_pins(words)
+    limits = {b: PhasePin(**fields) for b, fields in BACKEND_LIMITS.items()}
+    return parse_pins(words).merged(Pins(limits=limits))
 
 
 # ---------------------------------------------------------------------- run

@@ -188,10 +188,9 @@ class OptionTable:
                                             micro_batch=mb,
                                         )
                                     )
-        return [lay for lay in out if pin.allows(lay)]
+        return [lay for lay in out if pin.allows(lay) and self.pins.within_limits(lay)]
 
     def _forward_layouts(self, u: Unit, m: ModelSpec, d: int) -> list[Layout]:
-        pin = self.pins.phase(u.role, "forward")
         out: list[Layout] = []
         mbs = (self.workload.forward_micro_batch,) if self.workload.forward_micro_batch else MICRO_BATCHES
         gpu = self.hw.kind == "gpu"
@@ -209,7 +208,7 @@ class OptionTable:
                             out.append(
                                 _layout(dp=dp, tp=tp, pp=pp, ep=ep, backend="megatron", offload_params=off, micro_batch=mb)
                             )
-        return [lay for lay in out if pin.allows(lay)]
+        return [lay for lay in out if self.pins.allows(u.role, "forward", lay)]
 
     def generation_layouts(self, u: Unit, d: int) -> list[Layout]:
         """Generation layouts whose weight shard fits a device."""
@@ -224,7 +223,7 @@ class OptionTable:
                     lay = _layout(dp=d // tp // pp, tp=tp, pp=pp, ep=ep, backend=backend)
                     if pp > 1 and generation_weights_gb(m, lay.model_copy(update={"pp": 1})) < 0.5 * self.capacity_gb:
                         continue  # pipeline generation only for models too large for one tp group
-                    if generation_weights_gb(m, lay) < self.capacity_gb and pin.allows(lay):
+                    if generation_weights_gb(m, lay) < self.capacity_gb and self.pins.allows(u.role, "generate", lay):
                         out.append(lay)
         return out
 

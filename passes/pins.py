@@ -70,12 +70,23 @@ class Pins(BaseModel):
     roles: dict[str, dict[str, PhasePin]] = {}
     colocate: list[list[str]] | None = None
     reshard: dict[str, ReshardMethod] = {}
+    # What each backend can execute, set by the runtime (not by users): a layout
+    # on backend B must have the fields limits[B] fixes (fsdp2: tp=pp=cp=ep=1).
+    limits: dict[Backend, PhasePin] = {}
 
     def phase(self, role: str, phase: str) -> PhasePin:
         return self.roles.get(role, {}).get(phase, PhasePin())
 
+    def within_limits(self, lay: Layout) -> bool:
+        limit = self.limits.get(lay.backend)
+        return limit is None or limit.allows(lay)
+
+    def allows(self, role: str, phase: str, lay: Layout) -> bool:
+        """The role's pins and its backend's limits both allow ``lay``."""
+        return self.phase(role, phase).allows(lay) and self.within_limits(lay)
+
     def is_empty(self) -> bool:
-        return not self.roles and self.colocate is None and not self.reshard
+        return not self.roles and self.colocate is None and not self.reshard and not self.limits
 
     def merged(self, other: Pins) -> Pins:
         roles: dict[str, dict[str, PhasePin]] = {r: dict(p) for r, p in self.roles.items()}
@@ -87,6 +98,12 @@ class Pins(BaseModel):
             roles=roles,
             colocate=other.colocate if other.colocate is not None else self.colocate,
             reshard={**self.reshard, **other.reshard},
+            limits={
+                b: self.limits[b].merged(other.limits[b])
+                if b in self.limits and b in other.limits
+                else (other.limits.get(b) or self.limits[b])
+                for b in {*self.limits, *other.limits}
+            },
         )
 
     def summary(self) -> dict[str, Any]:

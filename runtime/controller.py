@@ -34,6 +34,7 @@ from flowc.ir.workload import WorkloadSpec
 from flowc.runtime.batches import Piece, Sharded, cat_rows, even_split, minibatch_rows, num_rows, project, take_rows
 from flowc.runtime.data import Records, RewardFn, call_reward, tokenize_pairs, tokenize_prompts
 from flowc.runtime.program import EngineSpec, Program, Step
+from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.worker import WorkerGroup
 
 BUCKET_BYTES = 64e6
@@ -317,16 +318,19 @@ class Controller:
         return out[::tp]
 
     def _forward(self, st: Step, rollout: Sharded) -> tuple[Sharded, list[Any]]:
+        """Every rank of a data-parallel replica gets the replica's rows (Megatron's
+        tp/pp ranks); one rank per replica answers (see runtime.ranks)."""
         wg, e = self._group_of(st)
         rollout = self._sharded(rollout)
         per = self._per_rank({"rollout": rollout}, e.layout.dp)
+        replica = replica_of(e.layout)
         out = wg.call(
             "run",
-            per_rank=[(self._key(e), st.op, per[r], {"micro": e.layout.micro_batch}) for r in range(wg.size)],
+            per_rank=[(self._key(e), st.op, per[replica[r]], {"micro": e.layout.micro_batch}) for r in range(wg.size)],
             num_returns=2,
         )
         counts = [hi - lo for lo, hi in even_split(rollout.rows, e.layout.dp)]
-        return Sharded(tuple(o[0] for o in out), tuple(counts)), [o[1] for o in out]
+        return Sharded(tuple(out[r][0] for r in output_ranks(e.layout)), tuple(counts)), [o[1] for o in out]
 
     def _update(self, st: Step, env: dict[str, Any], node: Any) -> list[Any]:
         wg, e = self._group_of(st)
@@ -348,7 +352,10 @@ class Controller:
             "micro": e.layout.micro_batch,
         }
         args = [{**base, "mini_sizes": [b - a for a, b in ranges[r]]} for r in range(e.layout.dp)]
-        out = wg.call("run", per_rank=[(self._key(e), "update", per[r], args[r]) for r in range(wg.size)], num_returns=2)
+        replica = replica_of(e.layout)
+        out = wg.call(
+            "run", per_rank=[(self._key(e), "update", per[replica[r]], args[replica[r]]) for r in range(wg.size)], num_returns=2
+        )
         return [o[1] for o in out]
 
     def _sync(self, st: Step) -> list[Any]:

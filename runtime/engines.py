@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -163,6 +163,7 @@ class TrainEngine:
         warm = max(optim.warmup_steps, 0)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.updates = 0
+        self.last_received = 0.0
 
     # ------------------------------------------------------------- forward
     @torch.no_grad()
@@ -269,6 +270,12 @@ class TrainEngine:
         return float(norm)
 
     # ---------------------------------------------------------------- sync
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter whole, as (name, tensor) pairs (a collective: every rank
+        iterates); ``last_received`` is the bytes this rank received for them."""
+        params, self.last_received = self.full_params()
+        yield from params.items()
+
     def full_params(self) -> tuple[dict[str, torch.Tensor], float]:
         """Every parameter whole, and the bytes this rank received to get them.
 
@@ -432,11 +439,11 @@ class RolloutEngine:
         return False
 
     @torch.no_grad()
-    def load(self, params: dict[str, torch.Tensor]) -> float:
-        """Copy new weights in; returns the bytes copied."""
+    def load(self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Copy new weights in (a dict or a stream of pairs); returns the bytes copied."""
         own = dict(self.model.named_parameters())
         copied = 0.0
-        for name, t in params.items():
+        for name, t in params.items() if isinstance(params, Mapping) else params:
             if name not in own:
                 continue
             own[name].copy_(t.to(own[name].dtype))

@@ -84,6 +84,26 @@ def _device() -> torch.device:
     return torch.device(torch.cuda.current_device())
 
 
+def check_layout(arch: MegatronArch | None, layout: Layout, world: int) -> None:
+    """What this backend executes: the plan's degrees cover the pool, split the
+    model evenly, and use no context parallelism (it needs Transformer Engine's
+    attention, which flowc does not use yet)."""
+    if layout.cp > 1:
+        raise SpecError(
+            f"megatron backend: context parallelism (cp={layout.cp}) needs Transformer Engine's attention, which flowc does not use yet",
+            fix="pin cp=1 for this role (e.g. actor.train.cp=1)",
+        )
+    if layout.dp * layout.tp * layout.pp * layout.cp != world:
+        raise SpecError(
+            f"megatron layout dp({layout.dp})*tp({layout.tp})*pp({layout.pp})*cp({layout.cp}) != world({world})",
+            fix="re-plan: the layout does not cover its pool",
+        )
+    if layout.ep > 1 and (layout.dp * layout.cp * layout.tp) % layout.ep:
+        raise SpecError(f"megatron layout: ep={layout.ep} does not divide the {layout.dp * layout.tp} ranks of a stage")
+    if arch is not None:
+        check_degrees(arch, Degrees(tp=layout.tp, pp=layout.pp, ep=layout.ep))
+
+
 def activate(key: tuple[int, ...]) -> None:
     """Switch Megatron's parallel state to the one built for ``key``."""
     from megatron.core import parallel_state as ps
@@ -99,19 +119,15 @@ def init_parallel(layout: Layout, seed: int) -> tuple[tuple[int, ...], Degrees]:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    if layout.cp > 1:
-        raise SpecError(
-            f"megatron backend: context parallelism (cp={layout.cp}) needs Transformer Engine's attention, which flowc does not use yet",
-            fix="pin cp=1 for this role (e.g. actor.train.cp=1)",
-        )
-    if not dist.is_initialized():
-        raise SpecError("the megatron backend needs a torch.distributed world", fix="run it inside a worker group")
-    world = dist.get_world_size()
-    if layout.dp * layout.tp * layout.pp * layout.cp != world:
-        raise SpecError(
-            f"megatron layout dp({layout.dp})*tp({layout.tp})*pp({layout.pp})*cp({layout.cp}) != world({world})",
-            fix="re-plan: the layout does not cover its pool",
-        )
+    if not dist.is_initialized():  # a one-worker pool has no process group of its own: Megatron needs one
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    check_layout(None, layout, dist.get_world_size())
     key = (layout.tp, layout.pp, layout.cp, layout.ep)
     if key not in _STATES:
         if not _PRISTINE:
@@ -160,7 +176,7 @@ class MegatronEngine:
         self.arch = MegatronArch.from_hf_config(self.hf)
         self.key, self.deg = init_parallel(layout, seed)
         check_degrees(self.arch, self.deg)
-        self.critic = kind in ("critic", "reward")
+        self.critic = kind not in ("policy", "reference")  # a value head: critic, reward model
         model = build_model(self.hf, self.deg, dtype=dtype, value_head=self.critic, cuda=torch.cuda.is_available())
         state = to_megatron(HFCheckpoint(source), self.arch, self.deg, lm_head=not self.critic)
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -310,13 +326,13 @@ class MegatronEngine:
         outs = []
         for n, part, g in zip(real, parts, got, strict=True):
             out = g["out"][:n]
-            if self.kind == "reward":  # a reward model scores a sequence at its last response token
+            if self.kind not in ("policy", "reference", "critic"):  # a reward model scores a sequence at its last response token
                 last = (part.response_mask[:n].long().sum(-1) - 1).clamp(min=0)
                 outs.append(out.gather(1, last.unsqueeze(-1)).squeeze(-1))
             else:
                 outs.append(_pad_right(out, width))
         if not outs:
-            return torch.zeros(0) if self.kind == "reward" else torch.zeros((0, width))
+            return torch.zeros((0, width)) if self.kind in ("policy", "reference", "critic") else torch.zeros(0)
         return torch.cat(outs, dim=0)
 
     # -------------------------------------------------------------- update

@@ -37,9 +37,27 @@ def rollout_tokenizer(path: str, vocab_size: int):
 
 
 def hf_config(spec: ModelSpec):
-    """An HF config with ``spec``'s architecture (dense Llama/Qwen2 families)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """An HF config with ``spec``'s architecture (dense Llama/Qwen2 families, Qwen3-MoE)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
+    if spec.model_type == "qwen3_moe" and not spec.shared_experts:
+        return Qwen3MoeConfig(
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.experts_per_token,
+            num_hidden_layers=spec.num_layers,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            vocab_size=spec.vocab_size,
+            tie_word_embeddings=spec.tie_word_embeddings,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            max_position_embeddings=4096,
+        )
     if spec.is_moe or spec.is_mla:
         raise SpecError(
             f"random initialisation of {spec.name} ({spec.model_type}) is not supported", fix="give an HF model directory"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -126,11 +127,11 @@ def _retie_lm_head(model: Any) -> None:
 class WeightReceiver:
     """vLLM worker extension (mixed into vLLM's worker class): in-place weight reload."""
 
-    def flowc_reload(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+    def flowc_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> bool:
         runner = self.model_runner  # type: ignore[attr-defined]
         runner.reload_weights(weights_iterator=iter(weights))
         _retie_lm_head(runner.get_model())
-        return sum(t.numel() * t.element_size() for _, t in weights)
+        return True
 
 
 class VllmRolloutEngine:
@@ -261,15 +262,26 @@ class VllmRolloutEngine:
 
     # ---------------------------------------------------------------- sync
     @torch.no_grad()
-    def load(self, params: dict[str, torch.Tensor]) -> float:
-        """Reload the weights in place (HF names; vLLM fuses and shards them), then
-        drop every prefix-cache entry; returns the bytes handed over."""
+    def load(self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Reload the weights in place (HF names; vLLM fuses and shards them) in
+        one reload, then drop every prefix-cache entry; returns the bytes handed
+        over. A stream of (name, tensor) pairs is consumed as vLLM loads it
+        (the engine runs in this process), so no whole copy of the model is
+        built first; one reload, because vLLM re-processes a layer whose fused
+        weights (q/k/v, gate/up) arrive in parts of separate reloads wrongly."""
         self.wake()
-        weights = [(name, t.detach().contiguous()) for name, t in params.items()]
-        got = self.llm.collective_rpc("flowc_reload", args=(weights,))
+        pairs = params.items() if isinstance(params, Mapping) else params
+        moved = [0.0]
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in pairs:
+                moved[0] += t.numel() * t.element_size()
+                yield name, t.detach().contiguous()
+
+        self.llm.collective_rpc("flowc_reload", args=(weights(),))
         if not self.llm.reset_prefix_cache():
             raise DataError(f"{self.role}: vLLM refused to reset its prefix cache after a weight sync")
-        return float(got[0])
+        return moved[0]
 
     def sleep(self) -> bool:
         """Free the KV cache and offload the weights while the trainer runs (CUDA only)."""

@@ -67,7 +67,14 @@ class Worker:
         role = key.split("/")[0]
         dtype = getattr(torch, options["dtype"])
         seed = options["seed"]
-        if engine == "train":
+        if engine in ("train", "forward") and layout.backend == "megatron":
+            from flowc.runtime.megatron_engine import MegatronEngine
+
+            optim = options["optim"] if engine == "train" else None
+            self.engines[key] = MegatronEngine(
+                role=role, kind=kind, source=source, layout=layout, dtype=dtype, seed=seed, optim=optim
+            )
+        elif engine == "train":
             self.engines[key] = TrainEngine(
                 role=role, kind=kind, source=source, layout=layout, optim=options["optim"], dtype=dtype, seed=seed
             )
@@ -129,36 +136,32 @@ class Worker:
 
     # ----------------------------------------------------------------- sync
     def sync_local(self, src: str, dst: str) -> dict[str, float]:
-        """Co-located weight sync: gather the trained weights (collective) and load them into this rank's engine."""
+        """Co-located weight sync: the trained weights stream out of the training
+        engine (a collective: every rank iterates) into this rank's rollout engine."""
         t0 = time.perf_counter()
-        params, received = self.engines[src].full_params()
-        copied = self.engines[dst].load(params) if dst in self.engines else 0.0
-        return {"bytes": received, "copied": copied, "seconds": time.perf_counter() - t0}
+        eng = self.engines[src]
+        stream = eng.weights()
+        copied = self.engines[dst].load(stream) if dst in self.engines else 0.0
+        for _ in stream:  # a rank without a rollout engine still takes part in the collectives
+            pass
+        return {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0}
 
     def export_weights(self, src: str, bucket_bytes: float) -> tuple[list[Any], dict[str, float]]:
-        """Separate pools: gather the weights; rank 0 puts them in the object store in buckets."""
+        """Separate pools: the weights stream out of the training engine (every
+        rank takes part); rank 0 puts them in the object store in buckets."""
         t0 = time.perf_counter()
-        params, received = self.engines[src].full_params()
+        eng = self.engines[src]
         refs: list[Any] = []
-        if self.rank == 0:
-            bucket: dict[str, torch.Tensor] = {}
-            size = 0.0
-            for name, t in params.items():
-                bucket[name] = t.contiguous()
-                size += t.numel() * t.element_size()
-                if size >= bucket_bytes:
-                    refs.append(ray.put(bucket))
-                    bucket, size = {}, 0.0
-            if bucket:
+        for bucket in _buckets(eng.weights(), bucket_bytes):
+            if self.rank == 0:
                 refs.append(ray.put(bucket))
-        return refs, {"bytes": received, "seconds": time.perf_counter() - t0}
+        return refs, {"bytes": eng.last_received, "seconds": time.perf_counter() - t0}
 
     def import_weights(self, dst: str, refs: list[Any]) -> dict[str, float]:
+        """Separate pools: the buckets, fetched one after another, feed one reload."""
         t0 = time.perf_counter()
-        received = 0.0
-        for ref in refs:
-            bucket = ray.get(ref, timeout=600)
-            received += self.engines[dst].load(bucket)
+        stream = (pair for ref in refs for pair in ray.get(ref, timeout=600).items())
+        received = self.engines[dst].load(stream)
         return {"bytes": received, "seconds": time.perf_counter() - t0}
 
     def rollout_logprobs(self, key: str, inputs: dict[str, list[Piece]]) -> Any:
@@ -266,6 +269,20 @@ class WorkerGroup:
             remove_placement_group(self.pg)
         except Exception:
             pass
+
+
+def _buckets(weights: Any, bucket_bytes: float) -> Any:
+    """(name, tensor) pairs grouped into dicts of about ``bucket_bytes``."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0.0
+    for name, t in weights:
+        bucket[name] = t.contiguous()
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0.0
+    if bucket:
+        yield bucket
 
 
 def _rank_of(e: Exception, refs: list[Any], group: WorkerGroup) -> str:

@@ -180,3 +180,52 @@ def test_the_rollout_backend_is_vllm_where_installed_and_rollout_overrides(monke
     # per-request seeds: stable, and different for every sample of every row
     seeds = {request_seed(0, 3, r, i, j) for r in range(2) for i in range(16) for j in range(8)}
     assert len(seeds) == 2 * 16 * 8 and request_seed(0, 3, 1, 2, 3) == request_seed(0, 3, 1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "flow,models,cluster",
+    [
+        ("ppo.py", ["actor", "critic", "ref", "rm"], "4x8xH100"),  # 70B PPO: four 70B roles
+        ("grpo.py", ["actor", "ref"], "2x8xH100"),  # MoE GRPO
+    ],
+)
+def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluster):
+    """`flowc plan` picks megatron for these; planned within the runtime's limits
+    the plan keeps it, lowers, and every megatron engine's degrees pass the
+    backend's own checks (they cover the pool and split the model)."""
+    from types import SimpleNamespace
+
+    from flowc.ir.cluster import ClusterSpec
+    from flowc.ir.models import ModelSpec
+    from flowc.ir.workload import WorkloadSpec
+    from flowc.loader import load_flow
+    from flowc.passes.pipeline import make_plan
+    from flowc.run import runtime_pins
+    from flowc.runtime.megatron_engine import check_layout
+    from flowc.runtime.megatron_weights import MegatronArch
+    from flowc.runtime.program import lower
+    from flowc.runtime.ranks import output_ranks, replica_of
+
+    name = "llama-3.1-70b" if flow == "ppo.py" else "qwen3-30b-a3b"
+    g = load_flow(str(EXAMPLES / flow)).trace()
+    specs = {r: ModelSpec.resolve(name) for r in models}
+    cl, wl = ClusterSpec.parse(cluster), WorkloadSpec()
+    free, _, _ = make_plan(g, specs, cl, wl, None)
+    plan, planned, _ = make_plan(g, specs, cl, wl, runtime_pins(g, "vllm", cl.device))
+    for p in (free, plan):
+        assert p.roles["actor"].phases["train"].layout.backend == "megatron"
+    from flowc.ir.models import catalogue
+
+    arch = MegatronArch.from_hf_config(SimpleNamespace(**catalogue()[name]))
+    program = lower(plan, planned)
+    seen = 0
+    for group in program.groups:
+        for e in group.engines:
+            if e.backend != "megatron":
+                continue
+            seen += 1
+            check_layout(arch, e.layout, group.size)
+            replicas = replica_of(e.layout)
+            assert sorted(set(replicas)) == list(range(e.layout.dp))
+            assert all(replicas[r] == i for i, r in enumerate(output_ranks(e.layout)))
+    assert seen >= 2
