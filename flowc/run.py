@@ -319,7 +319,16 @@ def prepare(req: RunRequest):
     )
     dtype = req.config.dtype_on(cluster.profile.kind)  # price the dtype the run computes in
     specs = {r: ModelSpec.resolve(src).model_copy(update={"dtype": dtype}) for r, src in sources.items()}
-    pins = runtime_pins(g, req.rollout, cluster.device).merged(parse_pins(req.pins))
+    user_pins = parse_pins(req.pins)
+    if cluster.device == "cpu":
+        on_megatron = [f"{r}.{ph}" for r, phs in user_pins.roles.items() for ph, p in phs.items() if p.backend == "megatron"]
+        if on_megatron:
+            raise SpecError(
+                f"{', '.join(on_megatron)} pinned to backend=megatron, which needs CUDA GPUs "
+                "(Megatron-core's optimizer and schedules allocate CUDA tensors)",
+                fix="on CPUs drop the pin (the planner uses fsdp2), or run on a GPU cluster (docs/backends.md)",
+            )
+    pins = runtime_pins(g, req.rollout, cluster.device).merged(user_pins)
     # on this machine's CPUs, how many worker processes to split the cores into is a decision too:
     # plan every split and keep the fastest
     candidates = [cluster]

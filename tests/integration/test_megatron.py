@@ -111,6 +111,20 @@ def tp_worker(rank: int, world: int, init: str, out) -> None:
             worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
     res["grad_rel_err"] = worst
     _stream_check(eng, source, res)
+    # a reward model: the value head on the trunk, scored at each row's last response token
+    from flowc.runtime.engines import ForwardEngine
+
+    rm = _engine(source, Layout(dp=1, tp=2, backend="megatron"), kind="reward_model")
+    hf_rm = ForwardEngine(role="rm", kind="reward_model", source=source, layout=Layout(), dtype=torch.float32, seed=0)
+    g = torch.Generator().manual_seed(3)
+    head_w, head_b = torch.randn(1, eng.arch.hidden, generator=g), torch.randn(1, generator=g)
+    with torch.no_grad():
+        for head in (rm.model.output_layer.linear, hf_rm.model.head):
+            head.weight.copy_(head_w)
+            head.bias.copy_(head_b)
+    scores, want_scores = rm.forward(r, micro=4), hf_rm.forward(r, micro=4)
+    if rank == 0:
+        res["reward_err"] = float((scores - want_scores).abs().max())
     out[rank] = res
     dist.destroy_process_group()
 
@@ -217,6 +231,7 @@ def test_tensor_parallel_logprobs_gradients_and_weight_stream():
     res = _spawn(tp_worker)
     assert res[0]["forward_err"] < 1e-5, res[0]
     assert res[1]["forward_none"]  # only tp rank 0 of the last stage answers for its replica
+    assert res[0]["reward_err"] < 1e-5, res[0]  # the value head (reward models, critics) as the fsdp2 backend's
     for rank in (0, 1):
         assert res[rank]["grad_rel_err"] < 1e-4, res[rank]
         assert res[rank]["stream_keys_equal"] and res[rank]["stream_bit_identical"]

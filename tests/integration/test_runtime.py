@@ -217,6 +217,8 @@ def test_a_killed_worker_is_a_typed_error(ray_cluster, tmp_path):
 def test_bad_inputs_fail_with_a_clear_error(ray_cluster, tmp_path):
     with pytest.raises(SpecError, match=r"no config\.json"):
         prepare(request(tmp_path, models={"actor": str(tmp_path)}))
+    with pytest.raises(SpecError, match=r"actor\.train pinned to backend=megatron, which needs CUDA GPUs"):
+        prepare(request(tmp_path, pins=["actor.train.backend=megatron"]))
     small = tmp_path / "small-vocab"
     small.mkdir()
     from flowc.tasks.arithmetic import asset_dir

@@ -214,6 +214,9 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     plan, planned, _ = make_plan(g, specs, cl, wl, runtime_pins(g, "vllm", cl.device))
     for p in (free, plan):
         assert p.roles["actor"].phases["train"].layout.backend == "megatron"
+    from flowc.planning import same_decisions
+
+    assert same_decisions(free, plan) == []  # the runtime's limits do not change these plans
     from flowc.ir.models import catalogue
 
     arch = MegatronArch.from_hf_config(SimpleNamespace(**catalogue()[name]))
