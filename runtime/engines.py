@@ -29,6 +29,22 @@ from flowc.runtime.modeling import ValueModel, load_causal_lm, response_logprobs
 from flowc.runtime.sampling import sample
 
 
+def compute_device() -> torch.device:
+    """This worker's device: its GPU (Ray sets CUDA_VISIBLE_DEVICES per worker) or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_device(r: Rollout, device: torch.device) -> Rollout:
+    if r.prompt_ids.device == device:
+        return r
+    return Rollout(*(x.to(device) for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, r.logprobs)))
+
+
+def _collective_device() -> torch.device:
+    """Where small collective tensors live: NCCL takes CUDA tensors only."""
+    return compute_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
@@ -39,7 +55,7 @@ def _allreduce(x: float, op: str = "sum") -> float:
     world, _ = _world()
     if world == 1:
         return x
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -154,7 +170,8 @@ class TrainEngine:
         torch.manual_seed(seed)
         lm = load_causal_lm(source, dtype=dtype)
         self.role, self.kind, self.layout, self.optim_cfg, self.source_dir = role, kind, layout, optim, source
-        self.model: nn.Module = lm if kind == "policy" else ValueModel(lm)
+        self.device = compute_device()
+        self.model: nn.Module = (lm if kind == "policy" else ValueModel(lm)).to(self.device)
         if layout.activation_checkpointing and hasattr(lm, "gradient_checkpointing_enable"):
             lm.gradient_checkpointing_enable()
         self.model = shard(self.model, layout)
@@ -174,12 +191,13 @@ class TrainEngine:
         outs = []
         for lo, hi in _chunk_ranges(num_rows(r), _chunks(num_rows(r), micro)):
             part = trim(slice_rows(r, lo, hi)) if hi > lo else trim(slice_rows(r, 0, 1))
-            out = self._score(part)
+            out = self._score(part).cpu()
             outs.append(_pad_right(out, width) if hi > lo else out[:0])
         self.model.train()
         return torch.cat(outs, dim=0) if outs else torch.zeros((0, width))
 
     def _score(self, r: Rollout, with_entropy: bool = False):
+        r = to_device(r, self.device)
         args = (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
         if self.kind == "policy":
             return response_logprobs(self.model, *args, with_entropy=with_entropy)
@@ -230,8 +248,8 @@ class TrainEngine:
                     part = trim(slice_rows(mb, lo, hi) if not empty else slice_rows(mb, 0, unit))
                     width = part.response_ids.shape[1]
                     pt = {name: (slice_rows(v, lo, hi) if not empty else slice_rows(v, 0, unit)) for name, v in ts.items()}
-                    pt = {name: (v[:, :width] if v.dim() == 2 else v) for name, v in pt.items()}
-                    obj, st = self._loss(part, pt, loss, kl_coef, kl_kind, entropy_coef, denom)
+                    pt = {name: (v[:, :width] if v.dim() == 2 else v).to(self.device) for name, v in pt.items()}
+                    obj, st = self._loss(to_device(part, self.device), pt, loss, kl_coef, kl_kind, entropy_coef, denom)
                     scale = 0.0 if empty else float(world)  # gradients are averaged over ranks
                     (obj * scale).backward()
                     w = 0.0 if empty else float(hi - lo)
@@ -288,10 +306,10 @@ class TrainEngine:
         world, _ = _world()
         locals_ = [p.to_local().detach().reshape(-1) for _, p in named]
         flat = torch.cat(locals_)
-        counts = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([flat.numel()]))
+        counts = [torch.zeros(1, dtype=torch.long, device=flat.device) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([flat.numel()], device=flat.device))
         width = max(int(c) for c in counts)
-        padded = torch.zeros(width, dtype=flat.dtype)
+        padded = torch.zeros(width, dtype=flat.dtype, device=flat.device)
         padded[: flat.numel()] = flat
         bufs = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(bufs, padded)
@@ -373,7 +391,8 @@ class ForwardEngine:
         torch.manual_seed(seed)
         lm = load_causal_lm(source, dtype=dtype)
         self.role, self.kind = role, kind
-        self.model: nn.Module = lm if kind == "reference" else ValueModel(lm)
+        self.device = compute_device()
+        self.model: nn.Module = (lm if kind == "reference" else ValueModel(lm)).to(self.device)
         self.model = shard(self.model, layout)
         self.model.eval()
 
@@ -382,7 +401,7 @@ class ForwardEngine:
         width = r.response_ids.shape[1]
         outs = []
         for lo, hi in _chunk_ranges(num_rows(r), _chunks(num_rows(r), micro)):
-            part = trim(slice_rows(r, lo, hi) if hi > lo else slice_rows(r, 0, 1))
+            part = to_device(trim(slice_rows(r, lo, hi) if hi > lo else slice_rows(r, 0, 1)), self.device)
             args = (part.prompt_ids, part.prompt_mask, part.response_ids, part.response_mask)
             if self.kind == "reference":
                 out = response_logprobs(self.model, *args)
@@ -391,6 +410,7 @@ class ForwardEngine:
                 last = (part.response_mask.long().sum(-1) - 1).clamp(min=0)
                 out = v.gather(1, last.unsqueeze(-1)).squeeze(-1)
             if hi > lo:
+                out = out.cpu()
                 outs.append(_pad_right(out, width) if out.dim() == 2 else out)
         if not outs:
             return torch.zeros((0, width)) if self.kind == "reference" else torch.zeros(0)

@@ -39,7 +39,7 @@ from flowc.ir.losses import PREFERENCE_LOSSES, denominator_kind
 from flowc.ir.plan import Layout
 from flowc.ir.run_config import OptimConfig
 from flowc.runtime.batches import num_rows, slice_rows
-from flowc.runtime.engines import _chunk_ranges, _chunks, _pad_right, objective, trim
+from flowc.runtime.engines import _chunk_ranges, _chunks, _pad_right, compute_device, objective, to_device, trim
 from flowc.runtime.megatron_model import at_responses, build_model, pack, vocab_parallel_logprobs
 from flowc.runtime.megatron_weights import (
     Degrees,
@@ -81,7 +81,7 @@ def _device() -> torch.device:
             "the megatron backend needs CUDA GPUs: Megatron-core's optimizer and schedules allocate CUDA tensors",
             fix="on CPUs train with backend=fsdp2 (the planner's choice there)",
         )
-    return torch.device(torch.cuda.current_device())
+    return compute_device()
 
 
 def check_layout(arch: MegatronArch | None, layout: Layout, world: int) -> None:
@@ -387,7 +387,7 @@ class MegatronEngine:
                     width = part.response_ids.shape[1]
                     pt = {k: slice_rows(v, a, a + n) if n else slice_rows(v, 0, unit) for k, v in ts.items()}
                     pt = {k: (v[:, :width] if v.dim() == 2 else v).to(output.device) for k, v in pt.items()}
-                    dev_part = _to(part, output.device)
+                    dev_part = to_device(part, output.device)
                     obj, st = objective(
                         self.kind,
                         self.role,
@@ -518,10 +518,6 @@ class MegatronEngine:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(path)
-
-
-def _to(r: Rollout, device: torch.device) -> Rollout:
-    return Rollout(*(x.to(device) for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, r.logprobs)))
 
 
 __all__ = ["MegatronEngine", "init_parallel", "megatron_available", "rules"]
