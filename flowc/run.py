@@ -249,7 +249,7 @@ def runtime_pins(g: FlowGraph, rollout: str | None, device: str = "cpu") -> Pins
                 if backend == "hf" or device == "cpu":
                     words.append(f"{role}.generate.tp=1")
     limits = {b: PhasePin(**fields) for b, fields in BACKEND_LIMITS.items()}
-    return parse_pins(words).merged(Pins(limits=limits))
+    return parse_pins(words).merged(Pins(limits=limits, whole_tensor_sync=True))
 
 
 # ---------------------------------------------------------------------- run

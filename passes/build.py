@@ -22,7 +22,7 @@ from flowc.passes.costs import Hw, MemoryGB, PhaseCost
 from flowc.passes.flops import forward_flops, useful_train_flops
 from flowc.passes.manager import PlanContext
 from flowc.passes.pools import PoolChoice
-from flowc.passes.reshard import best, colocated_options, lower_bound_bytes, separate_options
+from flowc.passes.reshard import best, colocated_options, lower_bound_bytes, separate_options, whole_tensor_options
 from flowc.passes.schedule import OpSpec, SyncSpec, simulate
 from flowc.passes.search import Candidate
 
@@ -271,7 +271,10 @@ def _reshards(g: FlowGraph, ctx: PlanContext, cand: Candidate, unit_pool, device
             a, b = devices[unit_pool[train_u]], devices[unit_pool[gen_u]]
             node = ctx.cluster.devices_per_node
             same_node = len({d // node for d in a + b}) == 1
-            rc = best(separate_options(m, train_lay, gc.layout, hw, same_node=same_node), ctx.pins.reshard.get(role))
+            opts = separate_options(m, train_lay, gc.layout, hw, same_node=same_node)
+            if ctx.pins.whole_tensor_sync:
+                opts = whole_tensor_options(opts, gc.layout)
+            rc = best(opts, ctx.pins.reshard.get(role))
         out.append(
             ReshardPlan(
                 role=role,

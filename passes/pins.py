@@ -73,6 +73,9 @@ class Pins(BaseModel):
     # What each backend can execute, set by the runtime (not by users): a layout
     # on backend B must have the fields limits[B] fixes (fsdp2: tp=pp=cp=ep=1).
     limits: dict[Backend, PhasePin] = {}
+    # Set by the runtime: its generation engines reload whole tensors, so only the
+    # reshard methods that deliver whole tensors are open (reshard.whole_tensor_options).
+    whole_tensor_sync: bool = False
 
     def phase(self, role: str, phase: str) -> PhasePin:
         return self.roles.get(role, {}).get(phase, PhasePin())
@@ -86,7 +89,7 @@ class Pins(BaseModel):
         return self.phase(role, phase).allows(lay) and self.within_limits(lay)
 
     def is_empty(self) -> bool:
-        return not self.roles and self.colocate is None and not self.reshard and not self.limits
+        return not self.roles and self.colocate is None and not self.reshard and not self.limits and not self.whole_tensor_sync
 
     def merged(self, other: Pins) -> Pins:
         roles: dict[str, dict[str, PhasePin]] = {r: dict(p) for r, p in self.roles.items()}
@@ -98,6 +101,7 @@ class Pins(BaseModel):
             roles=roles,
             colocate=other.colocate if other.colocate is not None else self.colocate,
             reshard={**self.reshard, **other.reshard},
+            whole_tensor_sync=self.whole_tensor_sync or other.whole_tensor_sync,
             limits={
                 b: self.limits[b].merged(other.limits[b])
                 if b in self.limits and b in other.limits

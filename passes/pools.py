@@ -23,7 +23,7 @@ import numpy as np
 from flowc.ir.plan import Layout
 from flowc.passes.costs import GB, PhaseCost, generate_cost, generation_weights_gb
 from flowc.passes.options import OptionTable, UnitOption
-from flowc.passes.reshard import ReshardCost, best, colocated_options
+from flowc.passes.reshard import ReshardCost, best, colocated_options, whole_tensor_options
 
 MAX_COMBOS_KEPT = 12
 
@@ -167,7 +167,8 @@ class PoolTable:
             options: list[GenChoice] = []
             for lay in gen_layouts[g]:
                 if train_unit is not None:
-                    rs = best(colocated_options(m, train_unit.layouts["train"], lay, t.hw), pinned)
+                    opts = colocated_options(m, train_unit.layouts["train"], lay, t.hw)
+                    rs = best(whole_tensor_options(opts, lay) if t.pins.whole_tensor_sync else opts, pinned)
                     if rs is None:
                         continue
                     extra = rs.extra_memory_gb

@@ -180,6 +180,17 @@ def separate_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw, *, same_n
     return _with_reload(out, m, gen, hw)
 
 
+def whole_tensor_options(options: list[ReshardCost], gen: Layout) -> list[ReshardCost]:
+    """The methods of a runtime whose generation engines reload whole HF tensors
+    and shard them themselves (vLLM's ``reload_weights``): co-located, every
+    device receives what its training shard lacks of the whole model
+    (``full_allgather``, or ``micro_dp_allgather`` where that is the same: one
+    generation shard); across pools, every generation device receives the whole
+    model (``broadcast``); or nothing moves (``in_place``)."""
+    keep = {"in_place", "full_allgather", "broadcast"} | ({"micro_dp_allgather"} if gen_shards(gen) == 1 else set())
+    return [o for o in options if o.method in keep]
+
+
 def best(options: list[ReshardCost], method: str | None = None) -> ReshardCost | None:
     """The fastest option (or the one named by ``method``, if available)."""
     if method is not None:
