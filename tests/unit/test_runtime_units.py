@@ -214,6 +214,7 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     plan, planned, _ = make_plan(g, specs, cl, wl, runtime_pins(g, "vllm", cl.device))
     for p in (free, plan):
         assert p.roles["actor"].phases["train"].layout.backend == "megatron"
+
     def layouts(p):
         return {(r, ph): x.layout for r, rp in p.roles.items() for ph, x in rp.phases.items()}
 
