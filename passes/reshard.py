@@ -184,10 +184,10 @@ def whole_tensor_options(options: list[ReshardCost], gen: Layout) -> list[Reshar
     """The methods of a runtime whose generation engines reload whole HF tensors
     and shard them themselves (vLLM's ``reload_weights``): co-located, every
     device receives what its training shard lacks of the whole model
-    (``full_allgather``, or ``micro_dp_allgather`` where that is the same: one
-    generation shard); across pools, every generation device receives the whole
-    model (``broadcast``); or nothing moves (``in_place``)."""
-    keep = {"in_place", "full_allgather", "broadcast"} | ({"micro_dp_allgather"} if gen_shards(gen) == 1 else set())
+    (``full_allgather``; ``micro_dp_allgather`` and ``in_place`` only where
+    they are the same, one generation shard); across pools, every generation
+    device receives the whole model (``broadcast``)."""
+    keep = {"full_allgather", "broadcast"} | ({"micro_dp_allgather", "in_place"} if gen_shards(gen) == 1 else set())
     return [o for o in options if o.method in keep]
 
 

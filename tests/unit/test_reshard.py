@@ -23,6 +23,8 @@ from flowc.passes.reshard import (
     lower_bound_bytes,
     nested,
     separate_options,
+    train_shards,
+    whole_tensor_options,
 )
 
 M70 = ModelSpec.resolve("llama-3.1-70b")
@@ -159,3 +161,26 @@ def test_a_vllm_engine_pays_its_measured_reload_on_cpu():
     assert cpu.engine_reload("vllm", 2.0e6) == pytest.approx(0.0176, abs=5e-4)  # the measured points
     assert cpu.engine_reload("vllm", 134.4e6) == pytest.approx(0.0978, abs=5e-4)
     assert Hw.of(ClusterSpec.parse("1x8xH100")).engine_reload("vllm", 1e9) == 0.0  # not measured on GPUs: free
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tp=st.sampled_from([1, 2, 4, 8]),
+    pp=st.sampled_from([1, 2, 4]),
+    dp=st.sampled_from([1, 2, 4]),
+    fsdp=st.booleans(),
+    gtp=st.sampled_from([1, 2, 4, 8]),
+)
+def test_whole_tensor_methods_price_what_the_runtime_moves(tp, pp, dp, fsdp, gtp):
+    """The runtime streams whole HF tensors into vLLM's reload: co-located, a
+    device receives what its training shard lacks; a separate generation device
+    receives the whole model. The methods left open price exactly that."""
+    train = Layout(dp=dp, tp=1, pp=1, backend="fsdp2", fsdp=fsdp) if fsdp else Layout(dp=dp, tp=tp, pp=pp, backend="megatron")
+    world = train.world
+    gen = Layout(dp=max(world // gtp, 1), tp=min(gtp, world), backend="vllm")
+    m = float(M70.weight_bytes)
+    s_t = train_shards(train)
+    for o in whole_tensor_options(colocated_options(M70, train, gen, A100), gen):
+        assert o.bytes_per_device == pytest.approx(m - m / s_t), o.method
+    for o in whole_tensor_options(separate_options(M70, train, gen, A100, same_node=False), gen):
+        assert o.method == "broadcast" and o.bytes_per_device == pytest.approx(m)
