@@ -48,7 +48,6 @@ from flowc.runtime.megatron_weights import (
     check_degrees,
     fuse_experts,
     hf_params,
-    rules,
     shard_shape,
     to_megatron,
 )
@@ -67,12 +66,6 @@ def _globals() -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     return {k: v for k, v in vars(ps).items() if k.startswith("_") and k[1:2].isupper() and k.upper() == k}
-
-
-def megatron_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("megatron.core") is not None
 
 
 def _device() -> torch.device:
@@ -518,6 +511,3 @@ class MegatronEngine:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(path)
-
-
-__all__ = ["MegatronEngine", "init_parallel", "megatron_available", "rules"]
