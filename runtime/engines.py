@@ -114,6 +114,17 @@ def _chunk_ranges(rows: int, k: int, unit: int = 1) -> Iterator[tuple[int, int]]
         yield lo * unit, hi * unit
 
 
+def minibatch_bounds(role: str, mini_sizes: list[int], rows: int) -> list[tuple[int, int]]:
+    """Row ranges of the mini-batches: ``mini_sizes[k]`` rows, in order, belong to mini-batch k."""
+    bounds, start = [], 0
+    for size in mini_sizes:
+        bounds.append((start, start + size))
+        start += size
+    if start != rows:
+        raise DataError(f"{role}.update: mini-batches of {start} rows for {rows} rows")
+    return bounds
+
+
 def objective(
     kind: str,
     role: str,
@@ -224,13 +235,7 @@ class TrainEngine:
         stats: dict[str, float] = {}
         weight_sum = 0.0
         t0 = time.perf_counter()
-        bounds = []
-        start = 0
-        for size in mini_sizes:
-            bounds.append((start, start + size))
-            start += size
-        if start != rows:
-            raise DataError(f"{self.role}.update: mini-batches of {start} rows for {rows} rows")
+        bounds = minibatch_bounds(self.role, mini_sizes, rows)
         for _epoch in range(epochs):
             for mlo, mhi in bounds:
                 mb = slice_rows(r, mlo, mhi)

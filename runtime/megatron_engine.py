@@ -36,18 +36,19 @@ import torch.distributed as dist
 from flowc.errors import DataError, SpecError
 from flowc.ir.functional import Rollout
 from flowc.ir.losses import PREFERENCE_LOSSES, denominator_kind
+from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.ir.run_config import OptimConfig
 from flowc.runtime.batches import num_rows, slice_rows
-from flowc.runtime.engines import _chunk_ranges, _chunks, _pad_right, compute_device, objective, to_device, trim
+from flowc.runtime.engines import _chunk_ranges, _chunks, _pad_right, compute_device, minibatch_bounds, objective, to_device, trim
 from flowc.runtime.megatron_model import at_responses, build_model, pack, vocab_parallel_logprobs
 from flowc.runtime.megatron_weights import (
     Degrees,
     HFCheckpoint,
-    MegatronArch,
     check_degrees,
     fuse_experts,
     hf_params,
+    megatron_spec,
     shard_shape,
     to_megatron,
 )
@@ -77,7 +78,7 @@ def _device() -> torch.device:
     return compute_device()
 
 
-def check_layout(arch: MegatronArch | None, layout: Layout, world: int) -> None:
+def check_layout(arch: ModelSpec | None, layout: Layout, world: int) -> None:
     """What this backend executes: the plan's degrees cover the pool, split the
     model evenly, and use no context parallelism (it needs Transformer Engine's
     attention, which flowc does not use yet)."""
@@ -166,11 +167,10 @@ class MegatronEngine:
         self.device = _device()
         self.role, self.kind, self.layout, self.source_dir, self.optim_cfg = role, kind, layout, source, optim
         self.hf = AutoConfig.from_pretrained(source)
-        self.arch = MegatronArch.from_hf_config(self.hf)
+        self.arch = megatron_spec(self.hf)
         self.key, self.deg = init_parallel(layout, seed)
-        check_degrees(self.arch, self.deg)
         self.critic = kind not in ("policy", "reference")  # a value head: critic, reward model
-        model = build_model(self.hf, self.deg, dtype=dtype, value_head=self.critic, cuda=torch.cuda.is_available())
+        model = build_model(self.hf, self.arch, self.deg, dtype=dtype, value_head=self.critic, cuda=torch.cuda.is_available())
         state = to_megatron(HFCheckpoint(source), self.arch, self.deg, lm_head=not self.critic)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith("output_layer.linear")]
@@ -240,7 +240,7 @@ class MegatronEngine:
         out = at_responses(output, packed)
         if self.critic:
             return out.squeeze(-1).float()
-        return vocab_parallel_logprobs(out, part.response_ids.to(out.device), self.arch.vocab, with_entropy=with_entropy)
+        return vocab_parallel_logprobs(out, part.response_ids.to(out.device), self.arch.vocab_size, with_entropy=with_entropy)
 
     def _run(self, parts: list[Rollout], loss_fn: Any, *, forward_only: bool) -> list[dict[str, Any]]:
         """Megatron's schedule over the micro-batches ``parts``; ``loss_fn(part,
@@ -350,12 +350,7 @@ class MegatronEngine:
         if self.optim_cfg is None:
             raise DataError(f"{self.role} is frozen; it has no update")
         t0 = time.perf_counter()
-        bounds, start = [], 0
-        for size in mini_sizes:
-            bounds.append((start, start + size))
-            start += size
-        if start != num_rows(r):
-            raise DataError(f"{self.role}.update: mini-batches of {start} rows for {num_rows(r)} rows")
+        bounds = minibatch_bounds(self.role, mini_sizes, num_rows(r))
         unit = 2 if isinstance(loss, PREFERENCE_LOSSES) else 1
         stats: dict[str, float] = {}
         weight = 0.0
@@ -503,7 +498,7 @@ class MegatronEngine:
         if self.critic:
             state = {k.removeprefix("model."): v for k, v in state.items()}
         missing, unexpected = target.load_state_dict(state, strict=False)
-        tied = {"lm_head.weight"} if self.arch.tie else set()
+        tied = {"lm_head.weight"} if self.arch.tie_word_embeddings else set()
         if unexpected or set(missing) - tied:
             raise DataError(f"exporting {self.role}: weights do not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
         lm.save_pretrained(path, safe_serialization=True)

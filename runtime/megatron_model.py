@@ -18,15 +18,15 @@ import torch
 from torch import nn
 
 from flowc.errors import SpecError
-from flowc.runtime.megatron_weights import Degrees, MegatronArch
+from flowc.ir.models import ModelSpec
+from flowc.runtime.megatron_weights import Degrees, padded_vocab
 
 
-def transformer_config(hf: Any, d: Degrees, *, dtype: torch.dtype, cuda: bool) -> Any:
+def transformer_config(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dtype, cuda: bool) -> Any:
     """Megatron's TransformerConfig for an HF config and the plan's degrees."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    arch = MegatronArch.from_hf_config(hf)
     rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise SpecError(
@@ -36,7 +36,7 @@ def transformer_config(hf: Any, d: Degrees, *, dtype: torch.dtype, cuda: bool) -
     if arch.num_experts:
         moe = dict(
             num_moe_experts=arch.num_experts,
-            moe_ffn_hidden_size=arch.moe_ffn,
+            moe_ffn_hidden_size=arch.moe_intermediate_size,
             moe_router_topk=getattr(hf, "num_experts_per_tok", 2),
             # top-k of the logits then a softmax over them = HF's softmax, top-k, renormalise
             moe_router_pre_softmax=False,
@@ -49,17 +49,17 @@ def transformer_config(hf: Any, d: Degrees, *, dtype: torch.dtype, cuda: bool) -
             raise SpecError("Qwen3-MoE without norm_topk_prob is not mapped", fix="train it with fsdp2")
     return TransformerConfig(
         num_layers=arch.num_layers,
-        hidden_size=arch.hidden,
-        num_attention_heads=arch.heads,
-        num_query_groups=arch.kv_heads,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.ffn,
+        ffn_hidden_size=arch.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=getattr(hf, "rms_norm_eps", 1e-6),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
+        add_qkv_bias=arch.attention_bias,
         qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -90,13 +90,12 @@ class ValueHead(nn.Module):
         return self.linear(hidden), None
 
 
-def build_model(hf: Any, d: Degrees, *, dtype: torch.dtype, value_head: bool, cuda: bool) -> nn.Module:
+def build_model(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dtype, value_head: bool, cuda: bool) -> nn.Module:
     """This rank's GPTModel: its pipeline stage, its tp/ep shard (weights uninitialised until loaded)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    arch = MegatronArch.from_hf_config(hf)
-    cfg = transformer_config(hf, d, dtype=dtype, cuda=cuda)
+    cfg = transformer_config(hf, arch, d, dtype=dtype, cuda=cuda)
     if arch.num_experts:
         from megatron.core.transformer.moe import moe_utils
 
@@ -109,16 +108,16 @@ def build_model(hf: Any, d: Degrees, *, dtype: torch.dtype, value_head: bool, cu
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
-        vocab_size=arch.padded_vocab(d.tp),
+        vocab_size=padded_vocab(arch, d.tp),
         max_sequence_length=getattr(hf, "max_position_embeddings", 4096),
         pre_process=d.pp_rank == 0,
         post_process=d.pp_rank == d.pp - 1,
-        share_embeddings_and_output_weights=arch.tie and not value_head,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,
         position_embedding_type="rope",
         rotary_base=int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
     )
     if value_head and d.pp_rank == d.pp - 1:
-        model.output_layer = ValueHead(arch.hidden, dtype)
+        model.output_layer = ValueHead(arch.hidden_size, dtype)
     return model
 
 

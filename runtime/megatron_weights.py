@@ -36,59 +36,35 @@ from typing import Any
 import torch
 
 from flowc.errors import SpecError
+from flowc.ir.models import ModelSpec
 
 VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by
 
 Getter = Callable[[str], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class MegatronArch:
-    """What the mapping needs to know of a model, read from its HF config."""
+MAPPED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
-    num_layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tie: bool
-    qkv_bias: bool
-    qk_norm: bool
-    num_experts: int = 0
-    moe_ffn: int = 0
 
-    @classmethod
-    def from_hf_config(cls, cfg: Any) -> MegatronArch:
-        kind = getattr(cfg, "model_type", "")
-        if kind not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral"):
-            raise SpecError(
-                f"the megatron backend has no weight mapping for model_type {kind!r}",
-                fix="use a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or Mixtral model, or train it with backend=fsdp2",
-            )
-        experts = int(getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0)
-        if kind == "qwen3_moe" and (getattr(cfg, "mlp_only_layers", None) or getattr(cfg, "decoder_sparse_step", 1) != 1):
-            raise SpecError("Qwen3-MoE with dense layers between the MoE layers is not mapped", fix="train it with fsdp2")
-        heads = cfg.num_attention_heads
-        return cls(
-            num_layers=cfg.num_hidden_layers,
-            hidden=cfg.hidden_size,
-            heads=heads,
-            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            ffn=cfg.intermediate_size,
-            vocab=cfg.vocab_size,
-            tie=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=kind in ("qwen3", "qwen3_moe"),
-            num_experts=experts,
-            moe_ffn=int(getattr(cfg, "moe_intermediate_size", 0) or (cfg.intermediate_size if experts else 0)),
+def megatron_spec(cfg: Any) -> ModelSpec:
+    """The model's ``ModelSpec`` (an HF config object or dict), checked to be one
+    this mapping covers."""
+    c = cfg if isinstance(cfg, dict) else cfg.to_dict()
+    kind = c.get("model_type", "")
+    if kind not in MAPPED:
+        raise SpecError(
+            f"the megatron backend has no weight mapping for model_type {kind!r}",
+            fix="use a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or Mixtral model, or train it with backend=fsdp2",
         )
+    if kind == "qwen3_moe" and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
+        raise SpecError("Qwen3-MoE with dense layers between the MoE layers is not mapped", fix="train it with fsdp2")
+    return ModelSpec.from_hf_config(c, c.get("_name_or_path") or kind)
 
-    def padded_vocab(self, tp: int) -> int:
-        step = VOCAB_MULTIPLE * tp
-        return -(-self.vocab // step) * step
+
+def padded_vocab(arch: ModelSpec, tp: int) -> int:
+    """The vocabulary as Megatron pads it: a multiple of 128·tp."""
+    step = VOCAB_MULTIPLE * tp
+    return -(-arch.vocab_size // step) * step
 
 
 @dataclass(frozen=True)
@@ -106,13 +82,13 @@ class Degrees:
         return Degrees(self.tp, self.pp, self.ep, tp_rank, pp_rank, ep_rank)
 
 
-def check_degrees(arch: MegatronArch, d: Degrees) -> None:
+def check_degrees(arch: ModelSpec, d: Degrees) -> None:
     """The degrees split this model evenly, or an error that says which does not."""
     problems = []
-    if arch.kv_heads % d.tp:
-        problems.append(f"tp={d.tp} does not divide the {arch.kv_heads} key/value heads")
-    if not arch.num_experts and arch.ffn % d.tp:
-        problems.append(f"tp={d.tp} does not divide the MLP width {arch.ffn}")
+    if arch.num_kv_heads % d.tp:
+        problems.append(f"tp={d.tp} does not divide the {arch.num_kv_heads} key/value heads")
+    if not arch.num_experts and arch.intermediate_size % d.tp:
+        problems.append(f"tp={d.tp} does not divide the MLP width {arch.intermediate_size}")
     if arch.num_layers % d.pp:
         problems.append(f"pp={d.pp} does not divide the {arch.num_layers} layers")
     if d.ep > 1 and (not arch.num_experts or arch.num_experts % d.ep):
@@ -121,7 +97,7 @@ def check_degrees(arch: MegatronArch, d: Degrees) -> None:
         raise SpecError("; ".join(problems), fix="pin degrees that divide the model (e.g. critic.train.tp=2)")
 
 
-def stage_layers(arch: MegatronArch, d: Degrees) -> range:
+def stage_layers(arch: ModelSpec, d: Degrees) -> range:
     per = arch.num_layers // d.pp
     return range(d.pp_rank * per, (d.pp_rank + 1) * per)
 
@@ -135,7 +111,7 @@ class Rule:
     kind: str  # rep | qkv | fc1 | row | vocab | expert_fc1 | expert_fc2
 
 
-def rules(arch: MegatronArch, d: Degrees, *, lm_head: bool = True) -> list[Rule]:
+def rules(arch: ModelSpec, d: Degrees, *, lm_head: bool = True) -> list[Rule]:
     """The parameters rank ``d`` holds, in the order the model declares them
     (``lm_head=False``: a critic, whose last stage has a value head instead)."""
     out: list[Rule] = []
@@ -150,7 +126,7 @@ def rules(arch: MegatronArch, d: Degrees, *, lm_head: bool = True) -> list[Rule]
         out.append(
             Rule(m + "self_attention.linear_qkv.weight", tuple(att + f"{x}_proj.weight" for x in "qkv"), "qkv"),
         )
-        if arch.qkv_bias:
+        if arch.attention_bias:
             out.append(Rule(m + "self_attention.linear_qkv.bias", tuple(att + f"{x}_proj.bias" for x in "qkv"), "qkv"))
         if arch.qk_norm:
             out.append(Rule(m + "self_attention.q_layernorm.weight", (att + "q_norm.weight",), "rep"))
@@ -170,50 +146,56 @@ def rules(arch: MegatronArch, d: Degrees, *, lm_head: bool = True) -> list[Rule]
             out.append(Rule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"))
     if last:
         out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "rep"))
-        if lm_head and (not arch.tie or d.pp > 1):  # tied: the last stage keeps its own copy of the embedding
-            out.append(Rule("output_layer.weight", ("model.embed_tokens.weight" if arch.tie else "lm_head.weight",), "vocab"))
+        if lm_head and (not arch.tie_word_embeddings or d.pp > 1):  # tied: the last stage keeps its own copy of the embedding
+            out.append(
+                Rule(
+                    "output_layer.weight",
+                    ("model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight",),
+                    "vocab",
+                )
+            )
     return out
 
 
-def hf_shape(name: str, arch: MegatronArch) -> tuple[int, ...]:
+def hf_shape(name: str, arch: ModelSpec) -> tuple[int, ...]:
     """The shape of an HF tensor named by a rule."""
-    h, hd = arch.hidden, arch.head_dim
+    h, hd = arch.hidden_size, arch.head_dim
     last = name.rsplit(".", 2)[-2] if name.count(".") > 1 else ""
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return (arch.vocab, h)
+        return (arch.vocab_size, h)
     if ".experts." in name:
-        return (h, arch.moe_ffn) if last == "down_proj" else (arch.moe_ffn, h)
-    rows = {"q_proj": arch.heads * hd, "k_proj": arch.kv_heads * hd, "v_proj": arch.kv_heads * hd}
+        return (h, arch.moe_intermediate_size) if last == "down_proj" else (arch.moe_intermediate_size, h)
+    rows = {"q_proj": arch.num_heads * hd, "k_proj": arch.num_kv_heads * hd, "v_proj": arch.num_kv_heads * hd}
     if last in rows:
         return (rows[last], h) if name.endswith("weight") else (rows[last],)
     if last == "o_proj":
-        return (h, arch.heads * hd)
+        return (h, arch.num_heads * hd)
     if last in ("q_norm", "k_norm"):
         return (hd,)
     if last in ("gate_proj", "up_proj"):
-        return (arch.ffn, h)
+        return (arch.intermediate_size, h)
     if last == "down_proj":
-        return (h, arch.ffn)
+        return (h, arch.intermediate_size)
     if last == "gate":
         return (arch.num_experts, h)
     return (h,)  # the norms
 
 
-def shard_shape(rule: Rule, arch: MegatronArch, d: Degrees) -> tuple[int, ...]:
+def shard_shape(rule: Rule, arch: ModelSpec, d: Degrees) -> tuple[int, ...]:
     """The shape of rank ``d``'s Megatron tensor for ``rule``, without any data."""
     metas = [torch.empty(hf_shape(n, arch), device="meta") for n in rule.hf]
     return tuple(split(rule, metas, arch, d).shape)
 
 
-def _qkv_groups(arch: MegatronArch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _qkv_groups(arch: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[groups, (q_per_group + 2)·head_dim, ...] from HF's q, k, v."""
-    g, hd = arch.kv_heads, arch.head_dim
+    g, hd = arch.num_kv_heads, arch.head_dim
     tail = q.shape[1:]
-    qg = q.reshape(g, (arch.heads // g) * hd, *tail)
+    qg = q.reshape(g, (arch.num_heads // g) * hd, *tail)
     return torch.cat([qg, k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)], dim=1)
 
 
-def split(rule: Rule, hf: list[torch.Tensor], arch: MegatronArch, d: Degrees) -> torch.Tensor:
+def split(rule: Rule, hf: list[torch.Tensor], arch: ModelSpec, d: Degrees) -> torch.Tensor:
     """Rank ``d``'s Megatron tensor from the rule's HF tensors."""
     t, tp = d.tp_rank, d.tp
     if rule.kind in ("rep", "expert_fc2"):
@@ -230,14 +212,14 @@ def split(rule: Rule, hf: list[torch.Tensor], arch: MegatronArch, d: Degrees) ->
         return fused.chunk(tp, dim=0)[t].reshape(-1, *fused.shape[2:]).clone()
     if rule.kind == "vocab":
         w = hf[0]
-        pad = arch.padded_vocab(tp) - w.shape[0]
+        pad = padded_vocab(arch, tp) - w.shape[0]
         if pad:
             w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])])
         return w.chunk(tp, dim=0)[t].clone()
     raise AssertionError(rule.kind)
 
 
-def merge(rule: Rule, shards: list[torch.Tensor], arch: MegatronArch) -> list[torch.Tensor]:
+def merge(rule: Rule, shards: list[torch.Tensor], arch: ModelSpec) -> list[torch.Tensor]:
     """The rule's HF tensors from the Megatron tensors of every tp rank (in tp order)."""
     if rule.kind in ("rep", "expert_fc2"):
         return [shards[0]]
@@ -249,14 +231,14 @@ def merge(rule: Rule, shards: list[torch.Tensor], arch: MegatronArch) -> list[to
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])]
     if rule.kind == "qkv":
-        g, hd, qpg = arch.kv_heads, arch.head_dim, arch.heads // arch.kv_heads
+        g, hd, qpg = arch.num_kv_heads, arch.head_dim, arch.num_heads // arch.num_kv_heads
         fused = torch.cat(shards, dim=0)
         tail = fused.shape[1:]
         grouped = fused.reshape(g, (qpg + 2) * hd, *tail)
         q, k, v = grouped.split([qpg * hd, hd, hd], dim=1)
         return [q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)]
     if rule.kind == "vocab":
-        return [torch.cat(shards, dim=0)[: arch.vocab]]
+        return [torch.cat(shards, dim=0)[: arch.vocab_size]]
     raise AssertionError(rule.kind)
 
 
@@ -333,14 +315,14 @@ def fuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- both ways
-def to_megatron(get: Getter, arch: MegatronArch, d: Degrees, *, lm_head: bool = True) -> dict[str, torch.Tensor]:
+def to_megatron(get: Getter, arch: ModelSpec, d: Degrees, *, lm_head: bool = True) -> dict[str, torch.Tensor]:
     """Rank ``d``'s Megatron state dict, reading only the HF tensors it needs."""
     check_degrees(arch, d)
     return {r.megatron: split(r, [get(n) for n in r.hf], arch, d) for r in rules(arch, d, lm_head=lm_head)}
 
 
 def hf_params(
-    arch: MegatronArch,
+    arch: ModelSpec,
     d: Degrees,
     gather: Callable[[Rule], list[torch.Tensor]],
     *,
@@ -354,7 +336,7 @@ def hf_params(
     vLLM name them; the tied output layer's copy is skipped; ``experts_only``
     skips what every expert rank holds alike."""
     for rule in rules(arch, d, lm_head=lm_head):
-        if rule.megatron == "output_layer.weight" and arch.tie:
+        if rule.megatron == "output_layer.weight" and arch.tie_word_embeddings:
             continue
         if experts_only and not rule.kind.startswith("expert"):
             continue
@@ -362,7 +344,7 @@ def hf_params(
 
 
 def to_hf(
-    shards: Mapping[tuple[int, int, int], Mapping[str, torch.Tensor]], arch: MegatronArch, d: Degrees
+    shards: Mapping[tuple[int, int, int], Mapping[str, torch.Tensor]], arch: ModelSpec, d: Degrees
 ) -> dict[str, torch.Tensor]:
     """The HF checkpoint's tensors (experts per expert) from every rank's
     Megatron state, keyed by (tp, pp, ep) rank."""

@@ -9,6 +9,7 @@ group, the role and the rank.
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import time
@@ -142,8 +143,7 @@ class Worker:
         eng = self.engines[src]
         stream = eng.weights()
         copied = self.engines[dst].load(stream) if dst in self.engines else 0.0
-        for _ in stream:  # a rank without a rollout engine still takes part in the collectives
-            pass
+        _drain(stream)  # a rank without a rollout engine still takes part in the collectives
         return {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0}
 
     def export_weights(self, src: str, bucket_bytes: float) -> tuple[list[Any], dict[str, float]]:
@@ -151,10 +151,9 @@ class Worker:
         rank takes part); rank 0 puts them in the object store in buckets."""
         t0 = time.perf_counter()
         eng = self.engines[src]
-        refs: list[Any] = []
-        for bucket in _buckets(eng.weights(), bucket_bytes):
-            if self.rank == 0:
-                refs.append(ray.put(bucket))
+        stream = eng.weights()
+        refs = [ray.put(bucket) for bucket in _buckets(stream, bucket_bytes)] if self.rank == 0 else []
+        _drain(stream)  # the other ranks take part in the collectives only
         return refs, {"bytes": eng.last_received, "seconds": time.perf_counter() - t0}
 
     def import_weights(self, dst: str, refs: list[Any]) -> dict[str, float]:
@@ -269,6 +268,11 @@ class WorkerGroup:
             remove_placement_group(self.pg)
         except Exception:
             pass
+
+
+def _drain(stream: Any) -> None:
+    """Run a weight stream to its end (its collectives), keeping nothing."""
+    collections.deque(stream, maxlen=0)
 
 
 def _buckets(weights: Any, bucket_bytes: float) -> Any:

@@ -64,7 +64,7 @@ def _stream_check(eng, source: str, out: dict) -> None:
 
     ckpt = HFCheckpoint(source)
     got = dict(eng.weights())
-    want = {n: ckpt(n) for n in ckpt.names() if n != "lm_head.weight" or not eng.arch.tie}
+    want = {n: ckpt(n) for n in ckpt.names() if n != "lm_head.weight" or not eng.arch.tie_word_embeddings}
     out["stream_keys_equal"] = sorted(got) == sorted(want)
     out["stream_bit_identical"] = all(torch.equal(got[n], want[n]) for n in want if n in got)
     out["received"] = eng.last_received
@@ -117,7 +117,7 @@ def tp_worker(rank: int, world: int, init: str, out) -> None:
     rm = _engine(source, Layout(dp=1, tp=2, backend="megatron"), kind="reward_model")
     hf_rm = ForwardEngine(role="rm", kind="reward_model", source=source, layout=Layout(), dtype=torch.float32, seed=0)
     g = torch.Generator().manual_seed(3)
-    head_w, head_b = torch.randn(1, eng.arch.hidden, generator=g), torch.randn(1, generator=g)
+    head_w, head_b = torch.randn(1, eng.arch.hidden_size, generator=g), torch.randn(1, generator=g)
     with torch.no_grad():
         for head in (rm.model.output_layer.linear, hf_rm.model.head):
             head.weight.copy_(head_w)
@@ -146,7 +146,7 @@ def pp_worker(rank: int, world: int, init: str, out) -> None:
             hidden = eng.model(packed.ids, pos, packed.causal)
             dist.send(hidden.contiguous(), dst=1)
         else:
-            hidden = torch.empty(packed.ids.shape[1], packed.ids.shape[0], eng.arch.hidden)
+            hidden = torch.empty(packed.ids.shape[1], packed.ids.shape[0], eng.arch.hidden_size)
             dist.recv(hidden, src=0)
             eng.model.set_input_tensor(hidden)
             lp = eng.score(eng.model(packed.ids, pos, packed.causal), r, packed)

@@ -16,8 +16,8 @@ from flowc.errors import SpecError
 from flowc.runtime.megatron_weights import (
     Degrees,
     HFCheckpoint,
-    MegatronArch,
     fuse_experts,
+    megatron_spec,
     state_getter,
     to_hf,
     to_megatron,
@@ -78,7 +78,7 @@ def _hf_state(model) -> dict[str, torch.Tensor]:
 
 def _round_trip(kind: str, tp: int, pp: int, ep: int) -> None:
     model = MODELS[kind]
-    arch = MegatronArch.from_hf_config(model.config)
+    arch = megatron_spec(model.config)
     state = _hf_state(model)
     d = Degrees(tp=tp, pp=pp, ep=ep)
     shards = {
@@ -110,7 +110,7 @@ def test_round_trip_for_any_degrees_that_divide_the_model(kind, tp, pp, ep):
 
 
 def test_shards_have_megatron_layouts():
-    arch = MegatronArch.from_hf_config(MODELS["qwen2"].config)
+    arch = megatron_spec(MODELS["qwen2"].config)
     s = to_megatron(state_getter(_hf_state(MODELS["qwen2"])), arch, Degrees(tp=2, pp=2, pp_rank=1, tp_rank=1))
     # 2 groups of (2 q heads + k + v) x 16 dims, one group per tp rank
     assert s["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (64, 64)
@@ -125,7 +125,7 @@ def test_shards_have_megatron_layouts():
 def test_checkpoint_read_lazily_gives_the_same_shards(tmp_path):
     model = MODELS["qwen3_moe"]
     model.save_pretrained(tmp_path, safe_serialization=True)
-    arch = MegatronArch.from_hf_config(model.config)
+    arch = megatron_spec(model.config)
     d = Degrees(tp=2, pp=1, ep=2, tp_rank=1, ep_rank=1)
     from_disk = to_megatron(HFCheckpoint(tmp_path), arch, d)
     in_memory = to_megatron(state_getter(_hf_state(model)), arch, d)
@@ -152,7 +152,7 @@ def test_checkpoint_with_per_expert_tensors(tmp_path):
         else:
             legacy[k] = v.contiguous()
     save_file(legacy, str(tmp_path / "model.safetensors"))
-    arch = MegatronArch.from_hf_config(MODELS["qwen3_moe"].config)
+    arch = megatron_spec(MODELS["qwen3_moe"].config)
     d = Degrees(ep=2, ep_rank=1)
     got = to_megatron(HFCheckpoint(tmp_path), arch, d)
     want = to_megatron(state_getter(state), arch, d)
@@ -161,7 +161,7 @@ def test_checkpoint_with_per_expert_tensors(tmp_path):
 
 
 def test_degrees_that_do_not_divide_the_model_are_named():
-    arch = MegatronArch.from_hf_config(MODELS["qwen2"].config)
+    arch = megatron_spec(MODELS["qwen2"].config)
     with pytest.raises(SpecError, match=r"tp=4 does not divide the 2 key/value heads.*pp=3 does not divide the 4 layers"):
         to_megatron(state_getter(_hf_state(MODELS["qwen2"])), arch, Degrees(tp=4, pp=3))
 
@@ -170,7 +170,7 @@ def test_unmapped_architectures_are_refused():
     from transformers import GPT2Config
 
     with pytest.raises(SpecError, match="no weight mapping for model_type 'gpt2'"):
-        MegatronArch.from_hf_config(GPT2Config())
+        megatron_spec(GPT2Config())
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3_moe"])
@@ -179,7 +179,7 @@ def test_shapes_known_without_data_match_the_shards(kind):
     from flowc.runtime.megatron_weights import rules, shard_shape
 
     model = MODELS[kind]
-    arch = MegatronArch.from_hf_config(model.config)
+    arch = megatron_spec(model.config)
     state = _hf_state(model)
     for t, p, e in itertools.product(range(2), range(2), range(2 if arch.num_experts else 1)):
         d = Degrees(tp=2, pp=2, ep=2 if arch.num_experts else 1, tp_rank=t, pp_rank=p, ep_rank=e)

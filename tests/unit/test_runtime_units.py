@@ -193,8 +193,6 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     """`flowc plan` picks megatron for these; planned within the runtime's limits
     the plan keeps it, lowers, and every megatron engine's degrees pass the
     backend's own checks (they cover the pool and split the model)."""
-    from types import SimpleNamespace
-
     from flowc.ir.cluster import ClusterSpec
     from flowc.ir.models import ModelSpec
     from flowc.ir.workload import WorkloadSpec
@@ -202,7 +200,7 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     from flowc.passes.pipeline import make_plan
     from flowc.run import runtime_pins
     from flowc.runtime.megatron_engine import check_layout
-    from flowc.runtime.megatron_weights import MegatronArch
+    from flowc.runtime.megatron_weights import megatron_spec
     from flowc.runtime.program import lower
     from flowc.runtime.ranks import output_ranks, replica_of
 
@@ -223,7 +221,7 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     assert {r.method for r in plan.reshards} <= {"in_place", "full_allgather", "broadcast", "micro_dp_allgather"}
     from flowc.ir.models import catalogue
 
-    arch = MegatronArch.from_hf_config(SimpleNamespace(**catalogue()[name]))
+    arch = megatron_spec(catalogue()[name])
     program = lower(plan, planned)
     seen = 0
     for group in program.groups:
