@@ -21,7 +21,7 @@ EOF
 ray start --head --port="$PORT" --num-gpus=1 --num-cpus=8 --include-dashboard=false >/dev/null
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 rm -rf "$OUT/gpu-smoke"
-FLOWC_DEVICE=H200 flowc run examples/grpo.py \
+flowc run examples/grpo.py --device H200 \
   --cluster "127.0.0.1:$PORT" --model actor=qwen2.5-0.5b --rollout vllm \
   --steps "$STEPS" --workload prompts=32,prompt_len=64,response_len=256 \
   --out "$OUT/gpu-smoke" -q

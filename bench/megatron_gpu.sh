@@ -26,7 +26,7 @@ trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 rm -rf "$OUT" && mkdir -p "$OUT"
 common=(--cluster "127.0.0.1:$PORT" --rollout vllm --steps "$STEPS" --workload prompts=16,prompt_len=64,response_len=128 -q)
 for backend in fsdp2 megatron; do
-  FLOWC_DEVICE=H200 flowc run examples/ppo.py --model actor=qwen2.5-0.5b "${common[@]}" \
+  flowc run examples/ppo.py --device H200 --model actor=qwen2.5-0.5b "${common[@]}" \
     --pin actor.train.backend=$backend --pin critic.train.backend=$backend \
     --pin ref.forward.backend=$backend --pin rm.forward.backend=$backend --out "$OUT/ppo-$backend"
 done
@@ -35,7 +35,7 @@ cat > "$OUT/moe.json" <<'JSON'
  "num_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 4, "num_attention_heads": 8,
  "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": false}
 JSON
-FLOWC_DEVICE=H200 flowc run examples/grpo.py --model actor="$OUT/moe.json" "${common[@]}" \
+flowc run examples/grpo.py --device H200 --model actor="$OUT/moe.json" "${common[@]}" \
   --pin actor.train.backend=megatron --pin ref.forward.backend=megatron --out "$OUT/grpo-moe-megatron"
 python - "$OUT" <<'PY'
 import json, sys

@@ -5,8 +5,8 @@
 Two measurements, each alternating the backends (hf, vllm, hf, vllm, …) so that
 machine noise hits both, each backend in a fresh process:
 
-1. **Rollout tokens/s** of the engine alone (flowc's ``RolloutEngine`` and
-   ``VllmRolloutEngine``): 64 arithmetic prompts × 8 samples, temperature 1,
+1. **Rollout tokens/s** of the engine alone (the ``hf`` and ``vllm``
+   backends' engines, built by the backend registry): 64 arithmetic prompts × 8 samples, temperature 1,
    up to 24 new tokens, fp32; one warm-up batch, then the median of 3 batches.
 2. **End-to-end GRPO step time**: ``flowc run`` of the TRL comparison's flow
    (GRPO without a reference, 8 prompts × 8 samples, 24-token limit) with
@@ -50,23 +50,28 @@ def engine_rate(backend: str, model: str) -> dict:
     tok = AutoTokenizer.from_pretrained(model)
     train, _ = arith.split()
     prompts = tokenize_prompts(tok, [r["prompt"] for r in arith.records(train[:PROMPTS])], 8)
+    from flowc.ir.plan import Layout
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.worker import make_engine
+
     t0 = time.perf_counter()
-    if backend == "vllm":
-        from flowc.runtime.vllm_rollout import VllmRolloutEngine
-
-        eng = VllmRolloutEngine(
-            role="actor", source=model, dtype=torch.float32, tokenizer=model, seed=0, max_model_len=8 + MAX_TOKENS
-        )
-    else:
-        from flowc.runtime.engines import RolloutEngine
-
-        eng = RolloutEngine(role="actor", source=model, dtype=torch.float32, tokenizer=model, seed=0)
+    init = EngineInit(
+        role="actor",
+        kind="policy",
+        source=model,
+        layout=Layout(backend=backend),
+        dtype="float32",
+        seed=0,
+        tokenizer=model,
+        max_model_len=8 + MAX_TOKENS,
+    )
+    eng = make_engine(init)  # the registry's engine for the backend, as a worker builds it
     start_s = time.perf_counter() - t0
     sp = SamplingParams()
     rates = []
     for step in range(BATCHES + 1):
         t = time.perf_counter()
-        r, _ = eng.generate(prompts, n=N, sp=sp, max_tokens=MAX_TOKENS, step=step, rank=0)
+        r, _ = eng.generate(prompts, n=N, sp=sp, max_tokens=MAX_TOKENS, step=step, round_=0, row_offset=0)
         dt = time.perf_counter() - t
         if step:  # the first batch is warm-up
             rates.append(float(r.response_mask.sum()) / dt)

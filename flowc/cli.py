@@ -109,17 +109,26 @@ PinOpt = Annotated[
     ),
 ]
 PlanOpt = Annotated[str | None, typer.Option("--plan", help="A saved plan (JSON) to reproduce: its decisions become pins.")]
+ForRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--for-run",
+        help="Plan within what flowc run executes (its backends' limits, whole-tensor weight sync): a plan flowc run --plan runs.",
+    ),
+]
 
 
-def _plan(file: str, overrides, model, cluster, workload, pin, plan_file):
+def _plan(file: str, overrides, model, cluster, workload, pin, plan_file, for_run=False):
     from flowc.loader import load_flow
     from flowc.passes.pipeline import make_plan
     from flowc.planning import build_request, same_decisions
 
     fl = load_flow(file)
     g = fl.trace(**fl.parse_overrides(overrides or []))
-    req = build_request(g, model_words=model, cluster=cluster, workload=workload, pin_words=pin, plan_file=plan_file)
-    plan, planned, ctx = make_plan(g, req.models, req.cluster, req.workload, req.pins)
+    req = build_request(
+        g, model_words=model, cluster=cluster, workload=workload, pin_words=pin, plan_file=plan_file, for_run=for_run
+    )
+    plan, planned, ctx = make_plan(g, req.models, req.cluster, req.workload, req.pins, target=req.target)
     if req.saved is not None:
         diffs = same_decisions(plan, req.saved)
         if not diffs:
@@ -140,6 +149,7 @@ def plan(
     workload: WorkloadOpt = None,
     pin: PinOpt = None,
     plan_file: PlanOpt = None,
+    for_run: ForRunOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     out: Annotated[str | None, typer.Option("--out", "-o", help="Also save the plan as JSON to this path.")] = None,
 ) -> None:
@@ -149,7 +159,7 @@ def plan(
     from flowc.ir.plan_text import format_plan
 
     t0 = time.perf_counter()
-    p, _, _, req = _plan(file, overrides, model, cluster, workload, pin, plan_file)
+    p, _, _, req = _plan(file, overrides, model, cluster, workload, pin, plan_file, for_run)
     if out:
         from pathlib import Path
 
@@ -179,6 +189,7 @@ def export(
     workload: WorkloadOpt = None,
     pin: PinOpt = None,
     plan_file: PlanOpt = None,
+    for_run: ForRunOpt = False,
     fmt: Annotated[
         ExportFormat, typer.Option("--format", "-f", help="html (one self-contained file), svg (needs Graphviz), dot or mermaid.")
     ] = ExportFormat.html,
@@ -191,7 +202,7 @@ def export(
 
     from flowc.export import render
 
-    p, planned, _, _ = _plan(file, overrides, model, cluster, workload, pin, plan_file)
+    p, planned, _, _ = _plan(file, overrides, model, cluster, workload, pin, plan_file, for_run)
     text = render(p, planned, fmt.value)
     if output is None and fmt.value in ("html", "svg"):
         output = f"{p.flow}.{fmt.value}"
@@ -219,8 +230,14 @@ def run(
         typer.Option("--reward", "-r", help="ROLE=module:function (or ROLE=path/file.py:function) for each Reward role."),
     ] = None,
     cluster: Annotated[
-        str, typer.Option("--cluster", "-c", help="local (this machine's CPUs), a Ray address, or auto.")
+        str, typer.Option("--cluster", "-c", help="local (this machine's CPUs, local:N for N workers), or a Ray address.")
     ] = "local",
+    device: Annotated[
+        str | None, typer.Option("--device", help="The GPU type of a Ray cluster, when Ray does not detect it (e.g. H200).")
+    ] = None,
+    plan_file: Annotated[
+        str | None, typer.Option("--plan", help="Run this saved plan (plan.json) unchanged, instead of planning.")
+    ] = None,
     workload: WorkloadOpt = None,
     steps: Annotated[int | None, typer.Option("--steps", "-n", help="Iterations to run (default: the config's, 100).")] = None,
     out: Annotated[str | None, typer.Option("--out", "-o", help="Run directory (default runs/FLOW-TIME).")] = None,
@@ -262,6 +279,8 @@ def run(
         rollout=rollout or front.get("rollout"),
         pins=list(pin or []),
         config=cfg,
+        plan_file=plan_file or front.get("plan"),
+        device=device or front.get("device"),
     )
     path = do_run(req, progress=not quiet)
     err_console.print(f"run written to {path} (metrics.jsonl, plan.html, final/); draw it with: flowc report {path}")

@@ -6,6 +6,8 @@ import hashlib
 import importlib.util
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from flowc.errors import FlowcError, LoadError, SourceLocation
@@ -18,6 +20,20 @@ def split_spec(spec: str) -> tuple[Path, str | None]:
     if sep and name.isidentifier() and path:
         return Path(path), name
     return Path(spec), None
+
+
+@contextmanager
+def on_path(folder: str) -> Iterator[None]:
+    """``folder`` on ``sys.path`` while a user's module imports (its sibling modules
+    import too), and off it again afterwards."""
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(folder)
 
 
 def load_module_flows(path: Path) -> dict[str, Flow]:
@@ -33,12 +49,9 @@ def load_module_flows(path: Path) -> dict[str, Flow]:
         raise LoadError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
-    folder = str(resolved.parent)
-    added = folder not in sys.path
-    if added:
-        sys.path.insert(0, folder)
     try:
-        spec.loader.exec_module(module)
+        with on_path(str(resolved.parent)):
+            spec.loader.exec_module(module)
     except SyntaxError as e:
         raise LoadError(f"syntax error: {e.msg}", where=SourceLocation(str(path), e.lineno or 1)) from None
     except FlowcError as e:
@@ -49,9 +62,6 @@ def load_module_flows(path: Path) -> dict[str, Flow]:
             if Path(fs.filename).resolve() == resolved and fs.lineno:
                 where = SourceLocation(str(path), fs.lineno)
         raise LoadError(f"importing {path} failed: {type(e).__name__}: {e}", where=where) from e
-    finally:
-        if added:
-            sys.path.remove(folder)
     return {v.name: v for v in vars(module).values() if isinstance(v, Flow)}
 
 

@@ -1,5 +1,6 @@
 """Front-end glue for planning: which model each role is, reading the user's
-options, and re-planning a saved plan."""
+options, what the runtime executes (as pins and a target for the planner),
+and re-planning a saved plan."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from flowc.errors import SpecError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.graph import FlowGraph
 from flowc.ir.models import ModelSpec
-from flowc.ir.plan import Plan
-from flowc.ir.run_config import compute_dtype
+from flowc.ir.plan import ROLLOUT_BACKENDS, Plan, Target
+from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
-from flowc.passes.pins import Pins, parse_pins, pins_from_plan
+from flowc.passes.pins import PhasePin, Pins, parse_pins, pins_from_plan
 
 DEFAULT_MODEL = "flowc-tiny"
 
@@ -61,12 +62,65 @@ def resolve_models(g: FlowGraph, given: dict[str, str]) -> tuple[dict[str, Model
     return out, notes
 
 
+# ------------------------------------------------------------ the runtime
+def runtime_pins(kind: str) -> Pins:
+    """What the runtime's backends execute on ``kind`` devices, as pins for the planner
+    (from the backend registry): the backends that run there, the layout fields each
+    fixes, and weight syncs limited to whole tensors (every rollout backend reloads
+    whole HF tensors)."""
+    from flowc.runtime.backends import BACKENDS
+
+    here = {name: info for name, info in BACKENDS.items() if info.runs_on(kind)}
+    return Pins(
+        backends=list(here),
+        limits={name: PhasePin(**info.limits[kind]) for name, info in here.items()},
+        whole_tensor_sync=True,
+    )
+
+
+def check_backend_pins(pins: Pins, kind: str) -> None:
+    """A user pin naming a backend that does not run on ``kind`` devices fails here, with the fix."""
+    from flowc.runtime.backends import BACKENDS
+
+    for role, phases in pins.roles.items():
+        for ph, pin in phases.items():
+            info = BACKENDS.get(pin.backend) if pin.backend else None
+            if info is not None and not info.runs_on(kind):
+                where = " or ".join(f"{k.upper()}s" for k in info.limits)
+                raise SpecError(
+                    f"{role}.{ph} pinned to backend={pin.backend}, which runs on {where} only, not {kind.upper()}s",
+                    fix=f"drop the pin (the planner chooses among the backends that run here), or plan for a cluster of {where}",
+                )
+
+
+def run_target(cluster: ClusterSpec, config: RunConfig, rollout: str | None, *, here: bool = True) -> Target:
+    """The target a run on ``cluster`` compiles for: the config's dtype and timeout, a CPU
+    worker's share of the cores, and the rollout backends that run there (or ``rollout``):
+    those installed, when the run is ``here``; for a cluster elsewhere, every one."""
+    from flowc.runtime.backends import BACKENDS, rollout_backends
+
+    kind = cluster.profile.kind
+    if rollout is not None:
+        info = BACKENDS.get(rollout)
+        if info is None or info.role != "rollout":
+            raise SpecError(f"--rollout {rollout!r} is not a rollout backend", fix=f"use one of {', '.join(ROLLOUT_BACKENDS)}")
+        if not info.runs_on(kind) or not info.installed():
+            why = "is not installed" if info.runs_on(kind) else f"does not run on {kind.upper()}s"
+            raise SpecError(f"--rollout {rollout}, but {rollout} {why}", fix=info.install or "use another rollout backend")
+        backends: tuple[str, ...] = (rollout,)
+    else:
+        backends = rollout_backends(kind, installed=here)
+    cpus = config.cpus_per_worker if "cpus_per_worker" in config.model_fields_set else None
+    return Target.of(cluster, dtype=config.dtype, cpus_per_worker=cpus, timeout_s=config.timeout_s, rollout_backends=backends)
+
+
 @dataclass
 class PlanRequest:
     models: dict[str, ModelSpec]
     cluster: ClusterSpec
     workload: WorkloadSpec
     pins: Pins
+    target: Target
     saved: Plan | None = None
     notes: list[str] | None = None
 
@@ -79,9 +133,11 @@ def build_request(
     workload: str | None,
     pin_words: list[str] | None,
     plan_file: str | None,
+    for_run: bool = False,
 ) -> PlanRequest:
     """Everything `flowc plan` needs, from its options (a saved plan fills in
-    what the options leave out, and pins every decision)."""
+    what the options leave out, and pins every decision). ``for_run`` plans
+    within what the runtime executes, as ``flowc run`` does."""
     saved = None
     pin_files = [w for w in (pin_words or []) if w.endswith((".yaml", ".yml")) and Path(w).exists()]
     pins = parse_pins([w for w in (pin_words or []) if w not in pin_files], pin_files)
@@ -98,19 +154,23 @@ def build_request(
         given = {**{r: rp.model for r, rp in saved.roles.items()}, **given}
         pins = pins_from_plan(saved).merged(pins)
         if cluster is None:
-            c = dict(saved.cluster)
-            c.pop("world_size", None)
-            cl = ClusterSpec(**c)
+            cl = saved.cluster_spec()
         if workload is None:
             wl = WorkloadSpec(**saved.workload)
     models, notes = resolve_models(g, given)
     cl = ClusterSpec.parse(cluster) if cluster is not None else (cl if saved else ClusterSpec.parse("local"))
-    dtype = compute_dtype("auto", cl.profile.kind)
+    # a plan for this machine's CPUs chooses among the backends installed here; for a GPU cluster, among all
+    here = cl.profile.kind == "cpu"
+    target = saved.target if saved is not None and cluster is None else run_target(cl, RunConfig(), None, here=here)
+    dtype = target.dtype
     if any(m.dtype != dtype for m in models.values()):
         models = {r: m.model_copy(update={"dtype": dtype}) for r, m in models.items()}
         notes = [*(notes or []), f"models priced in {dtype}, the dtype flowc run computes in on {cl.profile.kind.upper()}s"]
     wl = WorkloadSpec.parse(workload) if workload is not None else (wl if saved else WorkloadSpec())
-    return PlanRequest(models, cl, wl, pins, saved, notes)
+    if for_run:
+        check_backend_pins(pins, cl.profile.kind)
+        pins = runtime_pins(cl.profile.kind).merged(pins)
+    return PlanRequest(models, cl, wl, pins, target, saved, notes)
 
 
 def same_decisions(a: Plan, b: Plan) -> list[str]:

@@ -260,7 +260,6 @@ ROLE_TYPES: dict[type, str] = {
     RewardModel: "reward_model",
     Reward: "reward",
 }
-ROLE_CLASS_BY_KIND: dict[str, type[Role]] = {v: k for k, v in ROLE_TYPES.items()}
 
 
 def _first_error(e: Exception) -> str:

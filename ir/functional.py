@@ -245,8 +245,3 @@ def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind = "k1") -> torch
     if kind == "abs":
         return d.abs()
     raise ValueError(f"unknown KL kind {kind!r}; use one of {', '.join(KL_KINDS)}")
-
-
-def op_name(fn: Callable[..., Any]) -> str | None:
-    """The short name of a traceable op (None for any other callable)."""
-    return getattr(fn, "__flowc_op__", None)

@@ -17,7 +17,7 @@ from typing import Any
 import networkx as nx
 
 from flowc.errors import IRError
-from flowc.ir.ops import OPS, TRAINABLE_KINDS, WEIGHT_READERS
+from flowc.ir.ops import OPS, TRAINABLE_KINDS, WEIGHT_READERS, Op, RoleKind
 from flowc.ir.types import ValueType, WeightsType, project
 
 
@@ -42,7 +42,14 @@ class RoleInfo:
     """A role bound by the flow's signature."""
 
     name: str
-    kind: str  # one of flowc.ir.ops.ROLE_KINDS
+    kind: RoleKind
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", RoleKind(self.kind))
+        except ValueError:
+            kinds = ", ".join(RoleKind)
+            raise IRError(f"role {self.name!r} has kind {self.kind!r}, which is not one of {kinds}") from None
 
 
 @dataclass
@@ -50,7 +57,7 @@ class Node:
     """One operation. ``meta`` is for analyses; everything else is the op."""
 
     id: str
-    op: str
+    op: Op  # a plain string is accepted and normalised by FlowGraph.add
     role: str | None
     type: ValueType
     args: tuple[Any, ...] = ()
@@ -132,6 +139,7 @@ class FlowGraph:
             raise IRError(f"node id {node.id!r} is already used in flow {self.name!r}")
         if node.op not in OPS:
             raise IRError(f"node {node.id!r} has op {node.op!r}, which is not one of {', '.join(OPS)}")
+        node.op = Op(node.op)
         for arg, ref in node.refs():
             if ref.node not in self._nodes:
                 raise IRError(
@@ -221,9 +229,6 @@ class FlowGraph:
         """Nodes whose output a node reads (data edges only), in order."""
         ids = {u for u, _, e in self._g.in_edges(node_id, data="edge") if e.kind == "data"}
         return [n for n in self._nodes.values() if n.id in ids]
-
-    def nodes_of_role(self, role: str) -> list[Node]:
-        return [n for n in self._nodes.values() if n.role == role]
 
     def data_dag(self) -> nx.DiGraph:
         """The data edges as a simple DiGraph (weight edges left out)."""

@@ -70,54 +70,86 @@ earlier nodes' outputs with constants, and an output ``type``.
 
 from __future__ import annotations
 
-from typing import Literal
+from enum import Enum
 
-OpName = Literal["input", "generate", "logprobs", "values", "score", "reward", "compute", "filter", "update", "weight_sync"]
-OPS: tuple[str, ...] = (
-    "input",
-    "generate",
-    "logprobs",
-    "values",
-    "score",
-    "reward",
-    "compute",
-    "filter",
-    "update",
-    "weight_sync",
-)
 
-RoleKind = Literal["policy", "critic", "reference", "reward_model", "reward"]
-ROLE_KINDS: tuple[str, ...] = ("policy", "critic", "reference", "reward_model", "reward")
+class _Name(str, Enum):
+    """An enum whose members are their names as strings: equal to, hashed as and
+    printed as the plain string, so tables keyed by members answer plain-string
+    lookups and the IR's text and JSON forms are unchanged."""
 
-OP_ROLE_KINDS: dict[str, frozenset[str]] = {
-    "input": frozenset(),
-    "generate": frozenset({"policy"}),
-    "logprobs": frozenset({"policy", "reference"}),
-    "values": frozenset({"critic"}),
-    "score": frozenset({"reward_model"}),
-    "reward": frozenset({"reward"}),
-    "compute": frozenset(),
-    "filter": frozenset(),
-    "update": frozenset({"policy", "critic"}),
-    "weight_sync": frozenset({"policy", "critic"}),
+    def __str__(self) -> str:
+        return str.__str__(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self.value, spec)
+
+
+class Op(_Name):
+    """The closed set of operations (each defined in this module's docstring)."""
+
+    INPUT = "input"
+    GENERATE = "generate"
+    LOGPROBS = "logprobs"
+    VALUES = "values"
+    SCORE = "score"
+    REWARD = "reward"
+    COMPUTE = "compute"
+    FILTER = "filter"
+    UPDATE = "update"
+    WEIGHT_SYNC = "weight_sync"
+
+
+class RoleKind(_Name):
+    """What a role is, by what it can do (``fc.Policy``, ``fc.Critic``, …)."""
+
+    POLICY = "policy"
+    CRITIC = "critic"
+    REFERENCE = "reference"
+    REWARD_MODEL = "reward_model"
+    REWARD = "reward"
+
+
+OPS: tuple[Op, ...] = tuple(Op)
+
+OP_ROLE_KINDS: dict[Op, frozenset[RoleKind]] = {
+    Op.INPUT: frozenset(),
+    Op.GENERATE: frozenset({RoleKind.POLICY}),
+    Op.LOGPROBS: frozenset({RoleKind.POLICY, RoleKind.REFERENCE}),
+    Op.VALUES: frozenset({RoleKind.CRITIC}),
+    Op.SCORE: frozenset({RoleKind.REWARD_MODEL}),
+    Op.REWARD: frozenset({RoleKind.REWARD}),
+    Op.COMPUTE: frozenset(),
+    Op.FILTER: frozenset(),
+    Op.UPDATE: frozenset({RoleKind.POLICY, RoleKind.CRITIC}),
+    Op.WEIGHT_SYNC: frozenset({RoleKind.POLICY, RoleKind.CRITIC}),
 }
 """Which role kinds may run each op (empty: the op has no role)."""
 
-MODEL_OPS: frozenset[str] = frozenset({"generate", "logprobs", "values", "score", "update"})
+MODEL_OPS: frozenset[Op] = frozenset({Op.GENERATE, Op.LOGPROBS, Op.VALUES, Op.SCORE, Op.UPDATE})
 """Ops that run a model on devices (the ones the planner places)."""
 
-WEIGHT_READERS: frozenset[str] = frozenset({"generate", "logprobs", "values"})
+WEIGHT_READERS: frozenset[Op] = frozenset({Op.GENERATE, Op.LOGPROBS, Op.VALUES})
 """Ops that read a trainable role's weights and so receive weight edges."""
 
-TRAINABLE_KINDS: frozenset[str] = frozenset({"policy", "critic"})
+TRAINABLE_KINDS: frozenset[RoleKind] = frozenset({RoleKind.POLICY, RoleKind.CRITIC})
 
-PHASE_OF_OP: dict[str, str] = {
-    "generate": "generate",
-    "logprobs": "forward",
-    "values": "forward",
-    "score": "forward",
-    "update": "train",
+LM_KINDS: frozenset[RoleKind] = frozenset({RoleKind.POLICY, RoleKind.REFERENCE})
+"""Role kinds whose model ends in a language-model head (log-probabilities);
+the others that run a model (critic, reward model) end in a scalar head."""
+
+PHASE_OF_OP: dict[Op, str] = {
+    Op.GENERATE: "generate",
+    Op.LOGPROBS: "forward",
+    Op.VALUES: "forward",
+    Op.SCORE: "forward",
+    Op.UPDATE: "train",
 }
 """The device phase each model op runs in: a role has at most three layouts
 (train, forward, generate); forward ops share the role's training layout
 unless the planner chooses otherwise."""
+
+
+def weight_sync_id(role: str) -> str:
+    """The node id of ``role``'s ``weight_sync`` (one per trained role that generates)."""
+    return f"{role}.weight_sync"

@@ -1,8 +1,14 @@
 """The Plan: the IR after the passes — where and how every role runs.
 
-A plan is a frozen pydantic model that round-trips through JSON. Automatic and
-manual plans are the same type; :class:`Pins` (a partial plan) lets a user fix
-any decision and have the search fill in the rest.
+A plan is a frozen pydantic model that round-trips through JSON, and it is the
+one compiled artifact the runtime executes: besides the placement (roles,
+pools, reshards, schedule) it holds the planned graph (``graph``, with its
+``weight_sync`` nodes) and every runtime decision made when it was compiled
+(``target``: dtype, collective backend, timeouts, sync buckets, the rollout
+backends it chose among). ``flowc.runtime.program.lower`` takes a Plan and
+nothing else. Automatic and manual plans are the same type; ``Pins`` (a
+partial plan, in ``flowc.passes``) lets a user fix any decision and have the
+search fill in the rest.
 
 Phases: every model role has up to three device phases — ``train``
 (``update``), ``forward`` (``logprobs``/``values``/``score``) and
@@ -14,18 +20,24 @@ stage (expert tensor parallelism 1).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flowc.errors import SpecError
 
-SCHEMA_VERSION = 1
+if TYPE_CHECKING:
+    from flowc.ir.cluster import ClusterSpec
+    from flowc.ir.graph import FlowGraph
+
+SCHEMA_VERSION = 2
 
 Phase = Literal["train", "forward", "generate"]
-PHASES: tuple[str, ...] = ("train", "forward", "generate")
+PHASES: tuple[Phase, ...] = ("train", "forward", "generate")
 Backend = Literal["fsdp2", "megatron", "vllm", "hf"]
+ROLLOUT_BACKENDS: tuple[Backend, ...] = ("vllm", "hf")
 ReshardMethod = Literal["in_place", "micro_dp_allgather", "full_allgather", "broadcast", "p2p"]
+DType = Literal["float32", "bfloat16"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -63,12 +75,6 @@ class Layout(BaseModel):
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def shard(self) -> int:
-        """Into how many pieces one device's parameter share divides the model
-        (tp × pp, times dp with FSDP)."""
-        return self.tp * self.pp * (self.dp * self.cp if self.fsdp else 1)
 
     def check_world(self, devices: int, where: str = "") -> None:
         """Raise a SpecError spelling every factor when the degrees do not
@@ -142,7 +148,7 @@ class RolePlan(BaseModel):
     model: str
     params_b: float  # billions, 6 significant digits
     active_params_b: float
-    phases: dict[str, PhasePlan]
+    phases: dict[Phase, PhasePlan]
 
 
 class PoolPlan(BaseModel):
@@ -201,8 +207,76 @@ class Alternative(BaseModel):
     rejected_because: str
 
 
+class Target(BaseModel):
+    """How a plan runs: the runtime decisions made when it was compiled, so that
+    a saved plan runs the same on any machine (the runtime never re-decides them).
+
+    Attributes:
+        kind: the devices' kind, from the cluster's hardware profile.
+        collective: torch.distributed backend of every pool (nccl on GPUs, gloo on CPUs).
+        dtype: parameters' dtype in training and generation (the dtype the cost model priced).
+        cpus_per_worker: CPUs each worker reserves, and its thread count.
+        timeout_s: the longest any remote call may take before the run fails.
+        sync_bucket_bytes: size of the object-store buckets of a weight sync between pools.
+        rollout_backends: the rollout backends the planner could choose among (those
+            installed where it was compiled), in order of preference.
+    """
+
+    model_config = _FROZEN
+    kind: Literal["cpu", "gpu"]
+    collective: Literal["gloo", "nccl"]
+    dtype: DType
+    cpus_per_worker: float = Field(1.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0)
+    sync_bucket_bytes: int = Field(64_000_000, ge=1)
+    rollout_backends: tuple[Backend, ...] = Field(("hf",), min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Target:
+        want = "nccl" if self.kind == "gpu" else "gloo"
+        if self.collective != want:
+            raise SpecError(f"target: {self.kind} devices use the {want} collective backend, not {self.collective}")
+        bad = [b for b in self.rollout_backends if b not in ROLLOUT_BACKENDS]
+        if bad:
+            raise SpecError(f"target: {', '.join(bad)} is not a rollout backend", fix=f"use {', '.join(ROLLOUT_BACKENDS)}")
+        return self
+
+    @classmethod
+    def of(
+        cls,
+        cluster: ClusterSpec,
+        *,
+        dtype: str = "auto",
+        cpus_per_worker: float | None = None,
+        timeout_s: float = 600.0,
+        rollout_backends: tuple[str, ...] | None = None,
+    ) -> Target:
+        """The target of ``cluster``: ``auto`` dtype resolved (bfloat16 on GPUs, float32 on
+        CPUs), a CPU worker's share of the cores, and the rollout backends always there
+        (vLLM on GPUs, flowc's own ``hf`` loop on CPUs) unless given."""
+        kind = cluster.profile.kind
+        gpu = kind == "gpu"
+        return cls(
+            kind=kind,
+            collective="nccl" if gpu else "gloo",
+            dtype=compute_dtype(dtype, kind),
+            cpus_per_worker=cpus_per_worker if cpus_per_worker is not None else (1.0 if gpu else float(cluster.cores_per_device)),
+            timeout_s=timeout_s,
+            rollout_backends=tuple(rollout_backends) if rollout_backends else (("vllm",) if gpu else ("hf",)),
+        )
+
+
+def compute_dtype(dtype: str, kind: str) -> DType:
+    """``auto`` resolved: bfloat16 on GPUs, float32 on CPUs (whose bf16 kernels are slow or missing).
+    The planner prices models in this dtype, so a plan's bytes are the bytes the run moves."""
+    if dtype != "auto":
+        return dtype  # type: ignore[return-value]
+    return "bfloat16" if kind == "gpu" else "float32"
+
+
 class Plan(BaseModel):
-    """The full placement of one flow on one cluster for one workload."""
+    """The full placement of one flow on one cluster for one workload, and
+    everything the runtime needs to execute it (see the module docstring)."""
 
     model_config = _FROZEN
     schema_version: int = SCHEMA_VERSION
@@ -210,6 +284,8 @@ class Plan(BaseModel):
     hyperparams: dict[str, object] = {}
     cluster: dict[str, object]
     workload: dict[str, object]
+    target: Target
+    graph: dict[str, Any]  # the planned FlowGraph in its JSON form (flowc.ir.serialize)
     predicted: Predicted
     roles: dict[str, RolePlan]
     pools: list[PoolPlan]
@@ -220,11 +296,39 @@ class Plan(BaseModel):
     pins: dict[str, object] = {}
     search: dict[str, object] = {}
 
-    @model_validator(mode="after")
-    def _version(self) -> Plan:
-        if self.schema_version != SCHEMA_VERSION:
-            raise SpecError(f"plan schema_version {self.schema_version} is not supported (this flowc reads {SCHEMA_VERSION})")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _version(cls, data: Any) -> Any:
+        v = data.get("schema_version", SCHEMA_VERSION) if isinstance(data, dict) else SCHEMA_VERSION
+        if v != SCHEMA_VERSION:
+            raise SpecError(
+                f"plan schema_version {v} is not supported (this flowc reads {SCHEMA_VERSION})",
+                fix="plan the flow again with this flowc (flowc plan FILE … -o plan.json)",
+            )
+        return data
+
+    def cluster_spec(self) -> ClusterSpec:
+        from flowc.ir.cluster import ClusterSpec
+
+        return ClusterSpec(**{k: v for k, v in self.cluster.items() if k != "world_size"})
+
+    def flow_graph(self) -> FlowGraph:
+        """The planned graph (with its ``weight_sync`` nodes), decoded."""
+        from flowc.ir.serialize import from_dict
+
+        return from_dict(self.graph)
+
+    def phase(self, role: str, phase: str) -> PhasePlan:
+        try:
+            return self.roles[role].phases[phase]  # type: ignore[index]
+        except KeyError:
+            raise SpecError(f"the plan has no {phase} phase for role {role!r}") from None
+
+    def generation_sync(self, role: str) -> ReshardPlan | None:
+        """The reshard that brings ``role``'s trained weights to its generation engine:
+        the first weight edge into a generate (a second generate of the role, as in
+        ReMax, reads the same engine and moves nothing)."""
+        return next((r for r in self.reshards if r.role == role and r.dst_phase == "generate"), None)
 
     def to_json(self, indent: int | None = 2) -> str:
         return self.model_dump_json(indent=indent)

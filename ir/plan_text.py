@@ -32,121 +32,109 @@ def params(b: float) -> str:
 
 
 def format_plan(plan: Plan) -> str:
-    c = plan.cluster
-    w = plan.workload
-    p = plan.predicted
-    lines = [
+    """The whole text: header, pools, roles, reshards, schedule, why, alternatives."""
+    sections = (_header, _pools, _roles, _reshards, _schedule, _why, _alternatives)
+    return "\n".join(line for section in sections for line in section(plan)) + "\n"
+
+
+def _header(plan: Plan) -> list[str]:
+    c, w, p = plan.cluster, plan.workload, plan.predicted
+    models = ", ".join(
+        f"{r}={rp.model} ({rp.params_b:g}B" + (f", {rp.active_params_b:g}B active)" if rp.active_params_b != rp.params_b else ")")
+        for r, rp in plan.roles.items()
+    )
+    return [
         f"plan {plan.flow} on {c['name']} ({c['world_size']} devices)",
         f"  workload  {w['prompts']} prompts/step, prompt {w['prompt_len']}, response {w['response_len']}"
         + (f" (mean {w['mean_response_len']})" if w.get("mean_response_len") else "")
         + f", {w['mini_batches']} update(s) × {w['epochs']} epoch(s)",
-        "  models    "
-        + ", ".join(
-            f"{r}={rp.model} ({rp.params_b:g}B"
-            + (f", {rp.active_params_b:g}B active)" if rp.active_params_b != rp.params_b else ")")
-            for r, rp in plan.roles.items()
-        ),
+        f"  models    {models}",
         "",
         f"predicted: {p.step_time_s:.2f} s/step · {p.tokens_per_s:,.0f} tokens/s · {p.tokens_per_s_per_device:,.1f} tokens/s/device · MFU {p.mfu * 100:.1f} %",
-        "",
-        "pools",
     ]
-    lines += _table(
-        ["pool", "devices", "ids", "nodes", "busy", "idle"],
-        [
-            [x.name, str(x.device_count), x.devices, str(x.nodes), _s(x.busy_s), f"{x.idle_fraction * 100:.0f} %"]
-            for x in plan.pools
-        ],
-        right={1, 3, 4, 5},
-    )
-    lines += ["", "roles (memory per device, GB)"]
+
+
+def _pools(plan: Plan) -> list[str]:
+    rows = [
+        [x.name, str(x.device_count), x.devices, str(x.nodes), _s(x.busy_s), f"{x.idle_fraction * 100:.0f} %"] for x in plan.pools
+    ]
+    return ["", "pools", *_table(["pool", "devices", "ids", "nodes", "busy", "idle"], rows, right={1, 3, 4, 5})]
+
+
+_ROLE_HEADERS = [
+    "role.phase",
+    "devs",
+    "degrees",
+    "backend",
+    "weights",
+    "grads",
+    "optim",
+    "act",
+    "kv",
+    "buf",
+    "others",
+    "total/cap",
+    "time",
+]
+_FLAGS = (("fsdp", "fsdp"), ("off-p", "offload_params"), ("off-o", "offload_optimizer"), ("ckpt", "activation_checkpointing"))
+
+
+def _roles(plan: Plan) -> list[str]:
     rows = []
     for r, rp in plan.roles.items():
         for ph, pp in rp.phases.items():
-            m = pp.memory
-            lay = pp.layout
-            flags = [
-                f
-                for f, on in (
-                    ("fsdp", lay.fsdp),
-                    ("off-p", lay.offload_params),
-                    ("off-o", lay.offload_optimizer),
-                    ("ckpt", lay.activation_checkpointing),
-                )
-                if on
-            ]
-            rows.append(
-                [
-                    f"{r}.{ph}",
-                    str(pp.device_count),
-                    f"dp{pp.dp} tp{pp.tp} pp{pp.pp}"
-                    + (f" cp{pp.cp}" if pp.cp > 1 else "")
-                    + (f" ep{pp.ep}" if pp.ep > 1 else ""),
-                    lay.backend
-                    + (f" [{','.join(flags)}]" if flags else "")
-                    + (f" mb{lay.micro_batch}" if ph != "generate" else ""),
-                    f"{m.weights:.1f}",
-                    f"{m.gradients:.1f}",
-                    f"{m.optimizer:.1f}",
-                    f"{m.activations:.1f}",
-                    f"{m.kv_cache:.1f}",
-                    f"{m.buffers:.1f}",
-                    f"{m.other_roles:.1f}",
-                    f"{pp.memory_gb_per_device:.1f}/{pp.capacity_gb:.0f}",
-                    _s(pp.time_s) + (f" ({pp.waves} waves)" if pp.waves > 1 else ""),
-                ]
+            m, lay = pp.memory, pp.layout
+            flags = [short for short, field in _FLAGS if getattr(lay, field)]
+            degrees = (
+                f"dp{pp.dp} tp{pp.tp} pp{pp.pp}" + (f" cp{pp.cp}" if pp.cp > 1 else "") + (f" ep{pp.ep}" if pp.ep > 1 else "")
             )
-    lines += _table(
+            backend = (
+                lay.backend + (f" [{','.join(flags)}]" if flags else "") + (f" mb{lay.micro_batch}" if ph != "generate" else "")
+            )
+            gb = [f"{x:.1f}" for x in (m.weights, m.gradients, m.optimizer, m.activations, m.kv_cache, m.buffers, m.other_roles)]
+            total = f"{pp.memory_gb_per_device:.1f}/{pp.capacity_gb:.0f}"
+            time = _s(pp.time_s) + (f" ({pp.waves} waves)" if pp.waves > 1 else "")
+            rows.append([f"{r}.{ph}", str(pp.device_count), degrees, backend, *gb, total, time])
+    return ["", "roles (memory per device, GB)", *_table(_ROLE_HEADERS, rows, right={1, 4, 5, 6, 7, 8, 9, 10, 11, 12})]
+
+
+def _reshards(plan: Plan) -> list[str]:
+    rows = [
         [
-            "role.phase",
-            "devs",
-            "degrees",
-            "backend",
-            "weights",
-            "grads",
-            "optim",
-            "act",
-            "kv",
-            "buf",
-            "others",
-            "total/cap",
-            "time",
-        ],
-        rows,
-        right={1, 4, 5, 6, 7, 8, 9, 10, 11, 12},
-    )
-    lines += ["", "reshards"]
-    lines += _table(
-        ["role", "edge", "method", "GB/device", "lower bound", "time", "link"],
-        [
-            [
-                r.role,
-                f"{r.src} → {r.dst}",
-                r.method,
-                f"{r.bytes_per_device / 1e9:.2f}",
-                f"{r.lower_bound_bytes / 1e9:.2f}",
-                _s(r.time_s),
-                r.link,
-            ]
-            for r in plan.reshards
-        ],
-        right={3, 4, 5},
-    )
-    lines += ["", "schedule (one iteration)"]
-    lines += _table(
-        ["start", "end", "op", "pool"],
-        [
-            [f"{e.start_s:.2f}", f"{e.end_s:.2f}", e.op, e.pool or "controller"]
-            for e in plan.schedule
-            if e.end_s > e.start_s or e.pool
-        ],
-        right={0, 1},
-    )
-    lines += ["", "why"]
-    lines += [f"  - {x}" for x in plan.why]
-    if plan.alternatives:
-        lines += ["", "alternatives"]
-        for a in plan.alternatives:
-            lines.append(f"  - {a.summary}")
-            lines.append(f"      {a.rejected_because}")
-    return "\n".join(lines) + "\n"
+            r.role,
+            f"{r.src} → {r.dst}",
+            r.method,
+            f"{r.bytes_per_device / 1e9:.2f}",
+            f"{r.lower_bound_bytes / 1e9:.2f}",
+            _s(r.time_s),
+            r.link,
+        ]
+        for r in plan.reshards
+    ]
+    return [
+        "",
+        "reshards",
+        *_table(["role", "edge", "method", "GB/device", "lower bound", "time", "link"], rows, right={3, 4, 5}),
+    ]
+
+
+def _schedule(plan: Plan) -> list[str]:
+    rows = [
+        [f"{e.start_s:.2f}", f"{e.end_s:.2f}", e.op, e.pool or "controller"]
+        for e in plan.schedule
+        if e.end_s > e.start_s or e.pool
+    ]
+    return ["", "schedule (one iteration)", *_table(["start", "end", "op", "pool"], rows, right={0, 1})]
+
+
+def _why(plan: Plan) -> list[str]:
+    return ["", "why", *(f"  - {x}" for x in plan.why)]
+
+
+def _alternatives(plan: Plan) -> list[str]:
+    if not plan.alternatives:
+        return []
+    lines = ["", "alternatives"]
+    for a in plan.alternatives:
+        lines += [f"  - {a.summary}", f"      {a.rejected_because}"]
+    return lines

@@ -1,6 +1,10 @@
-"""Invariants of a Plan (checked by tests on every plan, and by the runtime
-before it lowers one).
+"""Invariants of a Plan, checked after the passes (in tests, after every
+pass) and by the runtime before it lowers one.
 
+* its graph is a valid planned graph of the plan's flow, every model op of
+  it runs in exactly one phase of its role, and every ``weight_sync`` node
+  carries the method of its role's reshard;
+* the target's kind is the cluster's;
 * each phase's degrees multiply to its pool's device count and its devices
   are its pool's;
 * memory per device is within capacity, and equals the sum of its categories;
@@ -15,11 +19,13 @@ from __future__ import annotations
 
 import itertools
 
-from flowc.errors import VerificationError
+from flowc.errors import FlowcError, VerificationError
+from flowc.ir.ops import MODEL_OPS, Op
 from flowc.ir.plan import Plan
 
 
-def _ids(spec: str) -> set[int]:
+def device_ids(spec: str) -> set[int]:
+    """``"0-3,8"`` → ``{0, 1, 2, 3, 8}``."""
     out: set[int] = set()
     for part in spec.split(","):
         if not part:
@@ -34,11 +40,18 @@ def _ids(spec: str) -> set[int]:
 
 def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
     """Raise VerificationError naming the first broken invariant."""
+    _verify_graph(plan)
+    try:
+        kind = plan.cluster_spec().profile.kind
+    except FlowcError as e:
+        raise VerificationError(f"plan cluster: {e.what}") from None
+    if kind != plan.target.kind:
+        raise VerificationError(f"the plan's target is {plan.target.kind} but its cluster's devices are {kind}")
     world = int(plan.cluster["world_size"])
     pools = {p.name: p for p in plan.pools}
     seen: set[int] = set()
     for p in plan.pools:
-        ids = _ids(p.devices)
+        ids = device_ids(p.devices)
         if len(ids) != p.device_count:
             raise VerificationError(f"pool {p.name}: {len(ids)} device ids for {p.device_count} devices")
         if ids & seen:
@@ -56,10 +69,10 @@ def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
             lay = pp.layout
             if (pp.dp, pp.tp, pp.pp, pp.cp, pp.ep) != (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep):
                 raise VerificationError(f"{where}: degrees differ from its layout")
-            if lay.world != pp.device_count:
-                raise VerificationError(
-                    f"{where}: dp({lay.dp})*tp({lay.tp})*pp({lay.pp})*cp({lay.cp}) = {lay.world} != devices({pp.device_count})"
-                )
+            try:
+                lay.check_world(pp.device_count, where)
+            except FlowcError as e:
+                raise VerificationError(e.what) from None
             if lay.ep > 1 and (lay.dp * lay.cp * lay.tp) % lay.ep:
                 raise VerificationError(f"{where}: ep({lay.ep}) does not divide the ranks it is carved from")
             if abs(pp.memory.total - pp.memory_gb_per_device) > 1e-2:
@@ -97,3 +110,38 @@ def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
     end = max((e.end_s for e in plan.schedule), default=0.0)
     if abs(end - plan.predicted.step_time_s) > 1e-3 * max(1.0, end):
         raise VerificationError(f"predicted step {plan.predicted.step_time_s} s is not the schedule's end {end} s")
+
+
+def _verify_graph(plan: Plan) -> None:
+    """The plan's graph: decodes, is a valid planned graph of its flow, and the
+    plan places every model op of it once and syncs every trained policy by its
+    reshard's method."""
+    from flowc.ir.verify import verify
+
+    try:
+        g = plan.flow_graph()
+        verify(g, "planned")
+    except FlowcError as e:
+        raise VerificationError(f"the plan's graph: {e.what}") from None
+    if g.name != plan.flow:
+        raise VerificationError(f"the plan is for flow {plan.flow!r} but holds the graph of {g.name!r}")
+    placed: dict[str, str] = {}
+    for role, rp in plan.roles.items():
+        for ph, pp in rp.phases.items():
+            for op in pp.ops:
+                if op not in g or g[op].role != role:
+                    raise VerificationError(f"{role}.{ph} runs {op}, which is not an op of role {role!r} in the plan's graph")
+                if op in placed:
+                    raise VerificationError(f"{op} is placed twice ({placed[op]} and {role}.{ph})")
+                placed[op] = f"{role}.{ph}"
+    for n in g.nodes:
+        if n.op in MODEL_OPS and n.id not in placed:
+            raise VerificationError(f"the plan does not place {n.op} {n.id}")
+        if n.op == Op.WEIGHT_SYNC:
+            r = plan.generation_sync(n.role)
+            if r is None or r.method != n.kwargs.get("method"):
+                have = r.method if r is not None else "none"
+                raise VerificationError(f"{n.id} syncs by {n.kwargs.get('method')} but the plan's reshard of {n.role} is {have}")
+    for r in plan.reshards:
+        if r.src not in g or r.dst not in g:
+            raise VerificationError(f"reshard {r.src} → {r.dst} names ops the plan's graph does not have")

@@ -45,7 +45,8 @@ class RunConfig(BaseModel):
         eval_size: held-out prompts per evaluation (None: the whole split).
         checkpoint_every: save a checkpoint every this many steps (0: only at the end).
         keep_checkpoints: how many checkpoints to keep.
-        dtype: parameter dtype of training and generation (``auto``: float32 on
+        dtype, timeout_s, cpus_per_worker: compiled into the plan's target (a saved plan
+            keeps its own). dtype: parameter dtype of training and generation (``auto``: float32 on
             CPU, bfloat16 on GPU).
         timeout_s: the longest any remote call may take before the run fails.
         cpus_per_worker: CPUs each worker reserves (CPU clusters).
@@ -68,15 +69,11 @@ class RunConfig(BaseModel):
     def optim_for(self, role: str) -> OptimConfig:
         return self.optim.get(role, self.default_optim)
 
-    def dtype_on(self, kind: str) -> str:
-        """The dtype the runtime trains and generates in on ``kind`` (``gpu``/``cpu``) devices."""
-        return compute_dtype(self.dtype, kind)
-
     @classmethod
     def load(cls, path: str | Path) -> tuple[RunConfig, dict[str, Any]]:
         """A YAML config file: RunConfig fields, plus the keys `flowc run`
-        takes as options (model, data, reward, cluster, workload, rollout,
-        out) returned separately."""
+        takes as options (model, data, reward, cluster, device, workload,
+        rollout, out, plan) returned separately."""
         p = Path(path)
         try:
             data = yaml.safe_load(p.read_text()) or {}
@@ -84,7 +81,19 @@ class RunConfig(BaseModel):
             raise SpecError(f"cannot read config {p}: {e}") from e
         front = {
             k: data.pop(k)
-            for k in ("model", "data", "eval_data", "reward", "cluster", "workload", "rollout", "out", "hyperparams")
+            for k in (
+                "model",
+                "data",
+                "eval_data",
+                "reward",
+                "cluster",
+                "device",
+                "workload",
+                "rollout",
+                "out",
+                "plan",
+                "hyperparams",
+            )
             if k in data
         }
         try:
@@ -93,11 +102,3 @@ class RunConfig(BaseModel):
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err["loc"])
             raise SpecError(f"config {p}: {loc}: {err['msg']}", fix=f"fields: {', '.join(cls.model_fields)}") from e
-
-
-def compute_dtype(dtype: str, kind: str) -> str:
-    """``auto`` resolved: bfloat16 on GPUs, float32 on CPUs (whose bf16 kernels are slow or missing).
-    The planner prices models in this dtype, so a plan's bytes are the bytes the run moves."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if kind == "gpu" else "float32"

@@ -127,13 +127,13 @@ def to_dict(g: FlowGraph) -> dict[str, Any]:
         "version": VERSION,
         "name": g.name,
         "source": g.source,
-        "roles": {r.name: r.kind for r in g.roles.values()},
+        "roles": {r.name: str(r.kind) for r in g.roles.values()},
         "hyperparams": {k: encode(v) for k, v in g.hyperparams.items()},
         "symbols": dict(g.symbols),
         "nodes": [
             {
                 "id": n.id,
-                "op": n.op,
+                "op": str(n.op),
                 "role": n.role,
                 "target": n.target,
                 "args": [encode(a) for a in n.args],

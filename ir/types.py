@@ -119,9 +119,6 @@ ValueType = Annotated[
 ]
 TupleType.model_rebuild()
 
-PROMPT_FIELDS = ("input_ids", "attention_mask")
-ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
-
 
 def prompts_type() -> BundleType:
     """The type of the prompt batch: ``B`` prompts left-padded to ``P`` tokens."""

@@ -15,13 +15,11 @@ from flowc.passes.units import demands, model_of
 
 
 def annotate_bytes(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
-    """``meta["bytes"]``: bytes of each node's output; ``ctx.state["edge_bytes"]``
-    keyed by (src, dst, arg)."""
-    env = ctx.workload.env(g.symbols)
+    """``meta["bytes"]``: bytes of each node's output under the workload
+    (whose symbols go to ``ctx.env``)."""
+    ctx.env = ctx.workload.env(g.symbols)
     for n in g.nodes:
-        n.meta["bytes"] = nbytes(n.type, env)
-    ctx.state["edge_bytes"] = {(e.src, e.dst, e.arg): nbytes(e.type, env) for e in g.edges("data")}
-    ctx.state["env"] = env
+        n.meta["bytes"] = nbytes(n.type, ctx.env)
     return g
 
 
@@ -29,7 +27,7 @@ def annotate_flops(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
     """``meta["tokens"]`` and ``meta["flops"]`` of every model op (generation:
     prefill plus decode)."""
     dem = demands(g, ctx.workload)
-    ctx.state["demands"] = dem
+    ctx.demands = dem
     for nid, d in dem.items():
         n = g[nid]
         m = model_of(ctx.models, n.role)

@@ -49,6 +49,8 @@ class Hw:
     host_per_device_gb: float = 0.0  # host memory offloaded states may use, per device
     reload_fixed: float = 0.0  # s per sync into a live vLLM engine, beyond moving the bytes
     reload_bw: float = math.inf  # B/s of that reload
+    pool_bw: float = 0.0  # B/s per device for data moving between pools (the network across nodes, else NVLink)
+    controller_bw: float = 0.0  # B/s between the controller and a pool
 
     def engine_reload(self, backend: str, nbytes: float) -> float:
         """Seconds a rollout engine spends taking ``nbytes`` of synced weights in (vLLM only)."""
@@ -57,12 +59,14 @@ class Hw:
     @classmethod
     def of(cls, cluster: ClusterSpec) -> Hw:
         p = cluster.profile
+        intra = p.intra_node_gb_s * GB * p.efficiency.intra_node
+        inter = p.inter_node_gb_s * GB / p.devices_per_node * p.efficiency.inter_node
         return cls(
             kind=p.kind,
             peak=p.peak_tflops * 1e12,
             hbm=p.mem_bw_tb_s * 1e12,
-            intra=p.intra_node_gb_s * GB * p.efficiency.intra_node,
-            inter=p.inter_node_gb_s * GB / p.devices_per_node * p.efficiency.inter_node,
+            intra=intra,
+            inter=inter,
             node=cluster.devices_per_node,
             capacity=p.usable_bytes,
             latency=p.latency_us * 1e-6,
@@ -76,6 +80,8 @@ class Hw:
             host_per_device_gb=0.8 * p.host_memory_gb / p.devices_per_node,
             reload_fixed=p.engine_reload_ms * 1e-3,
             reload_bw=p.engine_reload_gb_s * GB if p.engine_reload_gb_s else math.inf,
+            pool_bw=inter if cluster.nodes > 1 else intra,
+            controller_bw=p.inter_node_gb_s * GB * p.efficiency.inter_node,
         )
 
     def link(self, group: int, stride: int = 1) -> float:
@@ -83,9 +89,6 @@ class Hw:
         if group <= 1:
             return math.inf
         return self.intra if group * stride <= self.node else min(self.intra, self.inter)
-
-    def crosses_nodes(self, group: int, stride: int = 1) -> bool:
-        return group > 1 and group * stride > self.node
 
 
 def allreduce_time(nbytes: float, group: int, bw: float, lat: float) -> float:
@@ -276,7 +279,7 @@ def _dp_bw(hw: Hw, lay: Layout) -> float:
     return hw.link(lay.dp, lay.tp * lay.cp)
 
 
-def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, forward_after: bool = True) -> PhaseCost:
+def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) -> PhaseCost:
     """Time and memory of ``update`` with layout ``lay`` (``d.updates`` optimizer steps)."""
     devices = lay.world
     seqs_per_dp = replica_sequences(d, lay, train=True)

@@ -80,14 +80,14 @@ def alternatives(ctx: PlanContext, result: SearchResult) -> list[Alternative]:
             break
         add(cand)
     # faster layouts that do not fit, on the winner's pools
-    table = ctx.state["options"]
+    table = ctx.options
     for block, ch in zip(best.partition, best.choices, strict=True):
         for u in block:
             if table.units[u].generates:
                 continue
             opts = table.options(u, ch.devices)
             if opts.oom is not None and len(out) < MAX_ALTERNATIVES:
-                out.append(_oom_alternative(u, opts.oom, table.capacity_gb))
+                out.append(_oom_alternative(table.units[u].role, u, opts.oom, table.capacity_gb))
     # co-locations that cannot work at all
     for part, reason in result.infeasible.items():
         if len(out) >= MAX_ALTERNATIVES + 2:
@@ -103,10 +103,9 @@ def alternatives(ctx: PlanContext, result: SearchResult) -> list[Alternative]:
     return [a.model_copy(update={"tokens_per_s": None}) for a in out]
 
 
-def _oom_alternative(unit: str, o: UnitOption, cap: float) -> Alternative:
+def _oom_alternative(role: str, unit: str, o: UnitOption, cap: float) -> Alternative:
     phase = "train" if "train" in o.layouts else "forward"
     lay = o.layouts[phase]
-    role = unit.split(".")[0]
     return Alternative(
         summary=f"{unit} {lay.short()} mb{lay.micro_batch} ({lay.backend}) on {o.devices}",
         step_time_s=None,
@@ -164,7 +163,7 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
                 f"Pool {p.name}: {p.device_count} devices, busy {p.busy_s:.1f} s, idle {p.idle_fraction * 100:.0f} % of the step."
             )
     # layout choices: what the fastest layout needed when it was not taken
-    table = ctx.state["options"]
+    table = ctx.options
     for block, ch in zip(best.partition, best.choices, strict=True):
         for u in block:
             unit = table.units[u]

@@ -10,7 +10,7 @@ too, to say why the planner did not take it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 from flowc.ir.models import ModelSpec
@@ -49,8 +49,6 @@ class UnitOption:
 class UnitOptions:
     front: list[UnitOption]
     oom: UnitOption | None = None  # fastest option that does not fit, if faster than the front
-    tried: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 def divisors(n: int) -> list[int]:
@@ -76,15 +74,6 @@ _DEFAULTS = {k: f.default for k, f in Layout.model_fields.items()}
 def _layout(**kw) -> Layout:
     """A Layout built without validation (the enumerator only makes valid ones)."""
     return Layout.model_construct(**{**_DEFAULTS, **kw})
-
-
-def default_rollout_backend(kind: str) -> str:
-    """vLLM on GPUs; on CPUs vLLM when its CPU build is installed, else HF generate."""
-    if kind == "gpu":
-        return "vllm"
-    import importlib.util
-
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
 PP_LIMIT = 16  # deeper pipelines pay per-stage overheads the model does not price
@@ -128,8 +117,10 @@ class OptionTable:
         workload: WorkloadSpec,
         hw: Hw,
         pins: Pins,
+        rollout_backend: str,
     ):
         self.units = {u.name: u for u in units}
+        self.rollout_backend = rollout_backend  # the target's first choice, unless a pin says otherwise
         self.models = models
         self.demand = demand
         self.workload = workload
@@ -214,7 +205,7 @@ class OptionTable:
         """Generation layouts whose weight shard fits a device."""
         m = self.models[u.role]
         pin = self.pins.phase(u.role, "generate")
-        backend = pin.backend or default_rollout_backend(self.hw.kind)
+        backend = pin.backend or self.rollout_backend
         out: list[Layout] = []
         for tp in tp_choices(m, d, self.hw):
             for pp in _powers_dividing(d // tp, 16):
@@ -232,7 +223,7 @@ class OptionTable:
     def options(self, unit: str, d: int) -> UnitOptions:
         u = self.units[unit]
         if u.generates:
-            return UnitOptions(front=[], tried=len(self.generation_layouts(u, d)))
+            return UnitOptions(front=[])
         m = self.models[u.role]
         logits = u.kind in ("policy", "reference")
         layouts = self._train_layouts(u, m, d) if u.trainable else self._forward_layouts(u, m, d)
@@ -288,7 +279,7 @@ class OptionTable:
             faster = [o for o in over if o.time < best]
             if faster:
                 oom = min(faster, key=lambda o: (o.need_gb, o.time))
-        return UnitOptions(front=front, oom=oom, tried=len(layouts))
+        return UnitOptions(front=front, oom=oom)
 
     def _micro_batch_useful(self, u: Unit, lay: Layout) -> bool:
         """False when half this micro-batch already holds every sequence a replica has (same time, more memory)."""

@@ -70,8 +70,10 @@ class Pins(BaseModel):
     roles: dict[str, dict[str, PhasePin]] = {}
     colocate: list[list[str]] | None = None
     reshard: dict[str, ReshardMethod] = {}
-    # What each backend can execute, set by the runtime (not by users): a layout
-    # on backend B must have the fields limits[B] fixes (fsdp2: tp=pp=cp=ep=1).
+    # What the runtime executes, set by its registry (not by users): the backends
+    # that run on the cluster's devices (None: any), and per backend the fields a
+    # layout on it must have (limits[B]; fsdp2: tp=pp=cp=ep=1).
+    backends: list[Backend] | None = None
     limits: dict[Backend, PhasePin] = {}
     # Set by the runtime: its generation engines reload whole tensors, so only the
     # reshard methods that deliver whole tensors are open (reshard.whole_tensor_options).
@@ -81,6 +83,8 @@ class Pins(BaseModel):
         return self.roles.get(role, {}).get(phase, PhasePin())
 
     def within_limits(self, lay: Layout) -> bool:
+        if self.backends is not None and lay.backend not in self.backends:
+            return False
         limit = self.limits.get(lay.backend)
         return limit is None or limit.allows(lay)
 
@@ -89,7 +93,14 @@ class Pins(BaseModel):
         return self.phase(role, phase).allows(lay) and self.within_limits(lay)
 
     def is_empty(self) -> bool:
-        return not self.roles and self.colocate is None and not self.reshard and not self.limits and not self.whole_tensor_sync
+        return (
+            not self.roles
+            and self.colocate is None
+            and not self.reshard
+            and not self.limits
+            and self.backends is None
+            and not self.whole_tensor_sync
+        )
 
     def merged(self, other: Pins) -> Pins:
         roles: dict[str, dict[str, PhasePin]] = {r: dict(p) for r, p in self.roles.items()}
@@ -102,6 +113,7 @@ class Pins(BaseModel):
             colocate=other.colocate if other.colocate is not None else self.colocate,
             reshard={**self.reshard, **other.reshard},
             whole_tensor_sync=self.whole_tensor_sync or other.whole_tensor_sync,
+            backends=_both(self.backends, other.backends),
             limits={
                 b: self.limits[b].merged(other.limits[b])
                 if b in self.limits and b in other.limits
@@ -112,6 +124,13 @@ class Pins(BaseModel):
 
     def summary(self) -> dict[str, Any]:
         return self.model_dump(exclude_defaults=True)
+
+
+def _both(a: list[Backend] | None, b: list[Backend] | None) -> list[Backend] | None:
+    """The backends both allow (None allows every one)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return [x for x in a if x in b]
 
 
 _FIELDS = tuple(PhasePin.model_fields)

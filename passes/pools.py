@@ -23,7 +23,7 @@ import numpy as np
 from flowc.ir.plan import Layout
 from flowc.passes.costs import GB, PhaseCost, generate_cost, generation_weights_gb
 from flowc.passes.options import OptionTable, UnitOption
-from flowc.passes.reshard import ReshardCost, best, colocated_options, whole_tensor_options
+from flowc.passes.reshard import ReshardCost, sync_cost
 
 MAX_COMBOS_KEPT = 12
 
@@ -167,8 +167,15 @@ class PoolTable:
             options: list[GenChoice] = []
             for lay in gen_layouts[g]:
                 if train_unit is not None:
-                    opts = colocated_options(m, train_unit.layouts["train"], lay, t.hw)
-                    rs = best(whole_tensor_options(opts, lay) if t.pins.whole_tensor_sync else opts, pinned)
+                    rs = sync_cost(
+                        m,
+                        train_unit.layouts["train"],
+                        lay,
+                        t.hw,
+                        colocated=True,
+                        whole_tensor=t.pins.whole_tensor_sync,
+                        method=pinned,
+                    )
                     if rs is None:
                         continue
                     extra = rs.extra_memory_gb
@@ -227,7 +234,3 @@ def _describe(p: PoolChoice) -> str:
         rs = f", {g.reshard.method}" if g.reshard else ""
         parts.append(f"{u} {g.layout.short()}{rs}")
     return "; ".join(parts)
-
-
-def gb(x: float) -> float:
-    return x / GB

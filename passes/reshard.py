@@ -44,6 +44,7 @@ a rate, ``engine_reload_*`` in the hardware profile) is added to the time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -196,6 +197,30 @@ def best(options: list[ReshardCost], method: str | None = None) -> ReshardCost |
     if method is not None:
         options = [o for o in options if o.method == method]
     return min(options, key=lambda o: (o.time, o.bytes_per_device)) if options else None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def sync_cost(
+    m: ModelSpec,
+    train: Layout,
+    gen: Layout,
+    hw: Hw,
+    *,
+    colocated: bool,
+    same_node: bool = True,
+    whole_tensor: bool = False,
+    method: str | None = None,
+) -> ReshardCost | None:
+    """The one price of a weight sync from ``train`` to ``gen``, used by the pool
+    table, the search and the plan builder alike (so the plan the search ranks is
+    the plan that is emitted): the methods open to the layout pair (co-located, or
+    across pools within one node or not), only the whole-tensor ones when the
+    runtime's engines reload whole tensors, the pinned ``method`` if any, and the
+    fastest of those. None when no method is open."""
+    opts = colocated_options(m, train, gen, hw) if colocated else separate_options(m, train, gen, hw, same_node=same_node)
+    if whole_tensor:
+        opts = whole_tensor_options(opts, gen)
+    return best(opts, method)
 
 
 # ---------------------------------------------------------------- deliveries

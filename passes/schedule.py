@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowc.ir.graph import FlowGraph
-from flowc.ir.ops import MODEL_OPS
+from flowc.ir.ops import MODEL_OPS, weight_sync_id
 from flowc.ir.types import nbytes
 
 
@@ -34,11 +34,15 @@ class OpSpec:
 
 @dataclass(frozen=True)
 class SyncSpec:
-    """A weight sync after ``after`` (an update), occupying ``pools``."""
+    """``role``'s weight sync after ``after`` (its update), occupying ``pools``."""
 
-    id: str
+    role: str
     after: str
     pools: tuple[int, ...]
+
+    @property
+    def id(self) -> str:
+        return weight_sync_id(self.role)
 
 
 def op_specs(g: FlowGraph, unit_of_op: dict[str, str], pool_of_unit: dict[str, int], env: dict[str, int]) -> list[OpSpec]:

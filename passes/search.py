@@ -24,8 +24,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flowc.passes.costs import Hw
+from flowc.passes.devices import same_node
+from flowc.passes.options import OptionTable
+from flowc.passes.pins import Pins
 from flowc.passes.pools import PoolChoice, PoolTable
+from flowc.passes.reshard import ReshardCost, sync_cost
 from flowc.passes.schedule import OpSpec, SyncSpec, simulate
+from flowc.passes.units import Unit, train_unit
 
 EXACT_LIMIT = 400_000  # splits scored exactly per co-location
 COARSE_GRID_LIMIT = 40  # above this many pool sizes, start from a coarse grid and refine
@@ -86,34 +92,40 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
 
 
+def cross_pool_sync(
+    t: OptionTable, tu: Unit, gu: Unit, tc: PoolChoice, gc: PoolChoice, sizes: tuple[int, ...], ti: int, gi: int
+) -> ReshardCost | None:
+    """The sync of a policy trained on pool ``ti`` into its engine on pool ``gi``
+    of a split: what the search ranks and the plan builder emits (one function)."""
+    return sync_cost(
+        t.models[tu.role],
+        tc.options[tu.name].layouts["train"],
+        gc.gens[gu.name].layout,
+        t.hw,
+        colocated=False,
+        same_node=same_node(sizes, ti, gi, t.hw.node),
+        whole_tensor=t.pins.whole_tensor_sync,
+        method=t.pins.reshard.get(tu.role),
+    )
+
+
 class Searcher:
     """Scores splits of the devices among pools for every allowed partition."""
 
-    def __init__(
-        self,
-        pools: PoolTable,
-        ops: list[OpSpec],
-        unit_of_op: dict[str, str],
-        total: int,
-        node: int,
-        inter_bw: float,
-        intra_bw: float,
-        controller_bw: float,
-        colocate: list[list[str]] | None,
-        devices_pin: dict[str, int],
-    ) -> None:
+    def __init__(self, pools: PoolTable, ops: list[OpSpec], unit_of_op: dict[str, str], total: int, hw: Hw, pins: Pins) -> None:
         self.pt = pools
         self.ops = ops
         self.unit_of_op = unit_of_op
         self.total = total
-        self.node = node
-        self.inter_bw = inter_bw if total > node else intra_bw
-        self.controller_bw = controller_bw
-        self.colocate = colocate
-        self.devices_pin = devices_pin
-        self.grid = size_grid(total, node)
-        self.grid_set = set(self.grid)
+        self.node = hw.node
+        self.hw = hw
+        self.colocate = pins.colocate
         self.units = list(pools.t.units)
+        self.devices_pin = {
+            u: d for u in self.units for ph in pools.t.units[u].phases if (d := pins.phase(pools.t.units[u].role, ph).devices)
+        }
+        self.grid = size_grid(total, self.node)
+        self.grid_set = set(self.grid)
 
     # ------------------------------------------------------------ partitions
     def partitions(self) -> list[tuple[tuple[str, ...], ...]]:
@@ -130,7 +142,7 @@ class Searcher:
         for group in self.colocate or []:
             names = set()
             for item in group:
-                matched = [u for u in self.units if u == item or u.split(".")[0] == item]
+                matched = [u for u in self.units if u == item or self.pt.t.units[u].role == item]
                 if not matched:
                     return False
                 names.update(matched)
@@ -172,32 +184,37 @@ class Searcher:
             for u in b:
                 for op in self.pt.t.units[u].ops:
                     times[op] = np.array([c.op_times.get(op, np.inf) for c in col])
+        units = self.pt.t.units
         for u in self.units:
-            unit = self.pt.t.units[u]
-            if not unit.generates:
+            gu = units[u]
+            if not gu.generates or not any(x.role == gu.role and x.trainable for x in units.values()):
                 continue
-            train_u = next((x for x in self.units if self.pt.t.units[x].role == unit.role and self.pt.t.units[x].trainable), None)
-            if train_u is None:
-                continue
-            upd = self.pt.t.units[train_u].update_op
-            gi, ti = pool_of_unit[u], pool_of_unit[train_u]
-            sid = f"{unit.role}.weight_sync"
-            if gi == ti:
-                sync_times[sid] = np.array(
-                    [c.gens[u].reshard.time if c.gens.get(u) and c.gens[u].reshard else 0.0 for c in choices[gi]]
-                )
-                syncs.append(SyncSpec(sid, upd, (gi,)))
+            tu = train_unit(units.values(), gu.role)
+            gi, ti = pool_of_unit[u], pool_of_unit[tu.name]
+            spec = SyncSpec(gu.role, tu.update_op, (gi,) if gi == ti else (ti, gi))
+            if gi == ti:  # co-located: the pool table chose the sync with the generation layout
+                sync_times[spec.id] = np.array([c.gens[u].reshard.time if c.gens.get(u) else np.inf for c in choices[gi]])
             else:
-                m = self.pt.t.models[unit.role]
-                big_m = float(m.weight_bytes)
-                senders = np.array([c.devices for c in choices[ti]], dtype=float)
-                sg = np.array([c.gens[u].layout.tp * c.gens[u].layout.pp for c in choices[gi]], dtype=float)
-                dpg = np.array([c.gens[u].layout.dp for c in choices[gi]], dtype=float)
-                recv = big_m / sg / self.inter_bw
-                send = big_m * dpg / senders / self.inter_bw
-                sync_times[sid] = np.maximum(recv, send) + np.ceil(big_m / sg / 256e6) * self.pt.t.hw.latency
-                syncs.append(SyncSpec(sid, upd, (ti, gi)))
+                sync_times[spec.id] = self._cross_pool_times(tu, gu, choices[ti], choices[gi], sizes, ti, gi)
+            syncs.append(spec)
         return times, sync_times, syncs, choices, n
+
+    def _cross_pool_times(self, tu: Unit, gu: Unit, tcs: list[PoolChoice], gcs: list[PoolChoice], sizes, ti: int, gi: int):
+        """:func:`cross_pool_sync` of every row, priced once per distinct (train choice, generation choice, split)."""
+        memo: dict[tuple, float] = {}
+        out = np.empty(len(tcs))
+        for r, (tc, gc) in enumerate(zip(tcs, gcs, strict=True)):
+            if not (tc.feasible and gc.feasible):
+                out[r] = np.inf
+                continue
+            row = tuple(int(x) for x in sizes[r])
+            near = row[ti] + row[gi] <= self.node and same_node(row, ti, gi, self.node)
+            key = (id(tc), id(gc), near)
+            if key not in memo:
+                rc = cross_pool_sync(self.pt.t, tu, gu, tc, gc, row, ti, gi)
+                memo[key] = rc.time if rc is not None else np.inf
+            out[r] = memo[key]
+        return out
 
     def score(self, part, sizes: np.ndarray) -> tuple[np.ndarray, list]:
         times, sync_times, syncs, choices, _ = self._arrays(part, sizes)
@@ -209,8 +226,8 @@ class Searcher:
             times,
             sync_times,
             [sizes[:, i].astype(float) for i in range(len(part))],
-            self.inter_bw,
-            self.controller_bw,
+            self.hw.pool_bw,
+            self.hw.controller_bw,
         )
         return step, choices
 

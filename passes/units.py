@@ -12,6 +12,7 @@ controller and are not placed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from flowc.errors import PlanError
@@ -55,6 +56,23 @@ class Unit:
     @property
     def generates(self) -> bool:
         return self.phases == ("generate",)
+
+
+def train_unit(units: Iterable[Unit], role: str) -> Unit:
+    """The unit that trains ``role``."""
+    return _find(units, role, lambda u: u.trainable, "training")
+
+
+def gen_unit(units: Iterable[Unit], role: str) -> Unit:
+    """The unit that generates with ``role``."""
+    return _find(units, role, lambda u: u.generates, "generation")
+
+
+def _find(units: Iterable[Unit], role: str, pred: Callable[[Unit], bool], what: str) -> Unit:
+    for u in units:
+        if u.role == role and pred(u):
+            return u
+    raise PlanError(f"role {role!r} has no {what} unit")
 
 
 def units_of(g: FlowGraph) -> list[Unit]:

@@ -139,10 +139,6 @@ def assemble(pieces: Sequence[Piece], fetch) -> Any:
     return cat_rows([slice_rows(project(o, p.path), p.lo, p.hi) for o, p in zip(objs, pieces, strict=True)])
 
 
-def empty_rollout_like(r: Rollout) -> Rollout:
-    return slice_rows(r, 0, 0)
-
-
 __all__ = [
     "Piece",
     "PromptBatch",

@@ -1,11 +1,14 @@
 """The single controller: starts the worker groups of a Program and runs it.
 
-Each iteration walks the program's steps in order. Device steps are submitted
-to their worker group without waiting (Ray actors run their calls in order,
-so one group's steps are sequential and different groups overlap); the
-controller waits only when its own step (a reward, a compute) needs a value.
-Bulk values stay in the object store as one shard per worker; the controller
-passes references and row ranges.
+Each iteration walks the program's steps in order, each op through its
+handler (one table, keyed by op). Device steps are submitted to their worker
+group without waiting (Ray actors run their calls in order, so one group's
+steps are sequential and different groups overlap); the controller waits only
+when its own step (a reward, a compute) needs a value. Bulk values stay in the
+object store as one shard per worker; the controller passes references and row
+ranges. Everything the controller decides with comes from the Program — the
+plan's layouts, sync methods, target (dtype, collective, timeouts, CPUs per
+worker) and workload — never from defaults of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,33 +26,30 @@ import ray
 import torch
 
 from flowc.errors import DataError, RuntimeFailure
-from flowc.ir.functional import PromptBatch, varied_groups
-from flowc.ir.graph import FlowGraph, ValueRef
+from flowc.ir.functional import varied_groups
+from flowc.ir.graph import Node, ValueRef
 from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
-from flowc.ir.plan import Plan
+from flowc.ir.ops import Op
 from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.targets import resolve
 from flowc.ir.verify import filter_region
-from flowc.ir.workload import WorkloadSpec
-from flowc.runtime.batches import Piece, Sharded, cat_rows, even_split, minibatch_rows, num_rows, project, take_rows
+from flowc.runtime.backends import EngineInit
+from flowc.runtime.batches import Sharded, assemble, cat_rows, even_split, minibatch_rows, num_rows, project, take_rows
 from flowc.runtime.data import Records, RewardFn, call_reward, tokenize_pairs, tokenize_prompts
-from flowc.runtime.program import EngineSpec, Program, Step
+from flowc.runtime.program import EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step
 from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.worker import WorkerGroup
 
-BUCKET_BYTES = 64e6
+UPDATE_TENSORS = ("advantages", "old_logprobs", "ref_logprobs", "returns", "old_values")
 
 
 @dataclass
 class RunSpec:
-    """Everything a run needs besides the cluster."""
+    """Everything a run needs besides the cluster: the lowered plan and the run's own inputs."""
 
     program: Program
-    plan: Plan
-    graph: FlowGraph
     config: RunConfig
-    workload: WorkloadSpec
     model_sources: dict[str, str]  # role → HF model directory
     tokenizer: str  # the policy's tokenizer directory
     data: Records
@@ -56,12 +57,26 @@ class RunSpec:
     rewards: dict[str, RewardFn]  # Reward role → function
     reward_names: dict[str, str] = field(default_factory=dict)
     out_dir: Path = Path("runs/run")
-    gpus: bool = False
 
 
 @dataclass
 class Local:
+    """A value held by the controller itself."""
+
     value: Any
+
+
+@dataclass
+class Iteration:
+    """The values and pending results of one pass over the steps (a filter round is one too)."""
+
+    step: int
+    round: int
+    prompts: list[str]  # the batch's prompt texts
+    columns: dict[str, list[Any]]  # its other data columns
+    env: dict[str, Any] = field(default_factory=dict)  # node → Sharded | Local
+    metas: dict[str, list[Any]] = field(default_factory=dict)  # device node → refs of its metadata
+    samples: dict[str, int] = field(default_factory=dict)  # generate node → n
 
 
 class Controller:
@@ -71,65 +86,74 @@ class Controller:
         from transformers import AutoTokenizer
 
         self.s = spec
+        self.p = spec.program
         self.cfg = spec.config
         self.groups: dict[str, WorkerGroup] = {}
         self.tok = AutoTokenizer.from_pretrained(spec.tokenizer)
-        self.dtype = self.cfg.dtype_on("gpu" if spec.gpus else "cpu")
         self.history: list[dict[str, Any]] = []
         self.placement: dict[str, list[dict[str, Any]]] = {}
         # what a step's filter rounds add to its metrics (extra device seconds, tokens); reset per step
         self._extra: dict[str, Any] = {"seconds": {}, "tokens": 0, "metrics": {}}
+        self._handlers: dict[Op, Callable[[Step, Node, Iteration], None]] = {
+            Op.INPUT: self._input,
+            Op.GENERATE: self._generate_step,
+            Op.LOGPROBS: self._forward_step,
+            Op.VALUES: self._forward_step,
+            Op.SCORE: self._forward_step,
+            Op.UPDATE: self._update_step,
+            Op.WEIGHT_SYNC: self._sync_step,
+            Op.REWARD: self._reward,
+            Op.COMPUTE: self._compute,
+        }
+        self._syncs: dict[str, Callable[[Step], list[Any]]] = {"local": self._sync_local, "object_store": self._sync_buckets}
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
         """Create every worker group, join its world, load its engines."""
-        backend = "nccl" if self.s.gpus else "gloo"
-        for g in self.s.program.groups:
-            strategy = "STRICT_PACK" if len(g.nodes) == 1 else "SPREAD"
-            roles = ", ".join(f"{e.role}/{e.engine}" for e in g.engines)
+        t = self.p.target
+        for g in self.p.groups:
             wg = WorkerGroup(
                 g.name,
                 g.size,
-                gpus=self.s.gpus,
-                cpus_per_worker=self.cfg.cpus_per_worker,
-                strategy=strategy,
-                timeout_s=self.cfg.timeout_s,
-                roles=roles,
+                gpus=t.kind == "gpu",
+                cpus_per_worker=t.cpus_per_worker,
+                strategy="STRICT_PACK" if len(g.nodes) == 1 else "SPREAD",
+                timeout_s=t.timeout_s,
+                roles=", ".join(str(e.key) for e in g.engines),
             )
             self.groups[g.name] = wg
             self.placement[g.name] = wg.get(wg.call("where"), "start")
             master = self.placement[g.name][0]["ip"]
             port = wg.get(wg.workers[0].port.remote(), "start")
-            wg.get(wg.call("init_dist", master, port, backend, self.cfg.timeout_s), "joining the process group")
+            wg.get(wg.call("init_dist", master, port, t.collective), "joining the process group")
             for e in g.engines:
-                wg.get(
-                    wg.call("add_engine", self._key(e), e.kind, e.engine, self._source(e), e.layout, self._options(e)),
-                    f"loading {e.role}/{e.engine}",
-                )
+                wg.get(wg.call("add_engine", e.key, self._init(g, e)), f"loading {e.key}")
 
-    def _key(self, e: EngineSpec) -> str:
-        return f"{e.role}/{e.engine}"
-
-    def _source(self, e: EngineSpec) -> str:
-        return self.s.model_sources[e.role]
-
-    def _options(self, e: EngineSpec) -> dict[str, Any]:
-        w = self.s.workload
-        group = next(g for g in self.s.program.groups if e in g.engines)
-        return {
-            "dtype": self.dtype,
-            "seed": self.cfg.seed,
-            "optim": self.cfg.optim_for(e.role),
-            "tokenizer": self.s.tokenizer,
+    def _init(self, g: GroupSpec, e: EngineSpec) -> EngineInit:
+        w = self.p.workload
+        return EngineInit(
+            role=e.role,
+            kind=e.role_kind,
+            source=self.s.model_sources[e.role],
+            layout=e.layout,
+            dtype=self.p.target.dtype,
+            seed=self.cfg.seed,
+            optim=self.cfg.optim_for(e.role) if e.key.kind == EngineKind.TRAIN else None,
+            tokenizer=self.s.tokenizer,
             # the longest sequence a rollout engine sees: a prompt and the longest response any generate asks for
-            "max_model_len": w.prompt_len + max(w.response_len, self._max_tokens()),
+            max_model_len=w.prompt_len + max(w.response_len, self._max_tokens()),
             # a rollout engine sharing its devices with a trainer frees its memory between rollouts (where it can)
-            "colocated": any(x.engine == "train" for x in group.engines),
-        }
+            colocated=g.hosts(EngineKind.TRAIN),
+            timeout_s=self.p.target.timeout_s,
+        )
 
     def _max_tokens(self) -> int:
-        asked = [int(st.args["max_tokens"]) for st in self.s.program.steps if st.args.get("max_tokens")]
+        asked = [int(st.args["max_tokens"]) for st in self.p.steps if st.args.get("max_tokens")]
         return max([self.cfg.sampling.max_tokens or 0, *asked])
+
+    def describe(self) -> dict[str, list[dict[str, Any]]]:
+        """What every worker of every group runs, as built (engines, threads, timeout)."""
+        return {name: wg.get(wg.call("describe"), "describe") for name, wg in self.groups.items()}
 
     def shutdown(self) -> None:
         for wg in self.groups.values():
@@ -137,9 +161,8 @@ class Controller:
         self.groups.clear()
 
     # ------------------------------------------------------------- values
-    def _group_of(self, step: Step) -> tuple[WorkerGroup, EngineSpec]:
-        role, engine = step.engine.split("/")
-        gspec, espec = self.s.program.engine(role, engine)
+    def _group_of(self, key: EngineKey) -> tuple[WorkerGroup, EngineSpec]:
+        gspec, espec = self.p.engine(key)
         return self.groups[gspec.name], espec
 
     def _sharded(self, v: Any) -> Sharded:
@@ -159,9 +182,7 @@ class Controller:
     def _materialize(self, v: Any) -> Any:
         if isinstance(v, Local):
             return v.value
-        from flowc.runtime.batches import assemble
-
-        return assemble(v.pieces(0, v.rows), lambda refs: ray.get(list(refs), timeout=self.cfg.timeout_s))
+        return assemble(v.pieces(0, v.rows), lambda refs: ray.get(list(refs), timeout=self.p.target.timeout_s))
 
     def _arg(self, env: dict[str, Any], x: Any) -> Any:
         if isinstance(x, ValueRef):
@@ -173,89 +194,91 @@ class Controller:
         return x
 
     @staticmethod
-    def _per_rank(values: dict[str, Sharded], size: int) -> list[dict[str, list[Piece]]]:
+    def _per_rank(values: dict[str, Sharded], size: int) -> list[dict[str, list[Any]]]:
         rows = next(iter(values.values())).rows
-        ranges = even_split(rows, size)
-        return [{k: v.pieces(lo, hi) for k, v in values.items()} for lo, hi in ranges]
+        return [{k: v.pieces(lo, hi) for k, v in values.items()} for lo, hi in even_split(rows, size)]
+
+    def _wait(self, st: Step, refs: list[Any], what: str) -> list[Any]:
+        group = self.groups[st.group] if st.group else next(iter(self.groups.values()))
+        return group.get(refs, f"{what} {st.node}")
 
     # -------------------------------------------------------------- a step
     def run_step(self, step: int) -> dict[str, Any]:
         t_step = time.perf_counter()
-        env: dict[str, Any] = {}
-        metas: dict[str, list[Any]] = {}
-        n_of: dict[str, int] = {}
         self._extra = {"seconds": {}, "tokens": 0, "metrics": {}}
-        batch = self._prompt_batch(step, self.cfg.seed)
-        for st in self.s.program.steps:
-            if st.op == "filter":
-                env[st.node] = self._filter(st, env, step)
+        it = self._iteration(step, 0)
+        for st in self.p.steps:
+            if st.op == Op.FILTER:
+                it.env[st.node] = self._filter(st, it)
             else:
-                self._exec(st, env, metas, n_of, step, batch)
-        return self._metrics(step, env, metas, n_of, t_step)
+                self._exec(st, it)
+        return self._metrics(step, it, t_step)
 
-    def _prompt_batch(self, step: int, seed: int | str) -> tuple[list[str], dict[str, list[Any]]]:
-        """The prompts of ``step`` and the other data columns (what reward functions read)."""
-        rows = self.s.data.batch(step, self.s.workload.prompts, seed)
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.s.data.prompt_key}
-        return [r[self.s.data.prompt_key] for r in rows], columns
+    def _iteration(self, step: int, round_: int) -> Iteration:
+        """The prompts of ``step`` (a fresh draw of its own for each filter round) and the other data columns."""
+        seed = self.cfg.seed if round_ == 0 else f"{self.cfg.seed}/round{round_}"
+        rows = self.s.data.batch(step, self.p.workload.prompts, seed)
+        key = self.s.data.prompt_key
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != key}
+        return Iteration(step, round_, [r[key] for r in rows], columns)
 
-    def _exec(
-        self,
-        st: Step,
-        env: dict[str, Any],
-        metas: dict[str, list[Any]],
-        n_of: dict[str, int],
-        step: int,
-        batch: tuple[list[str], dict[str, list[Any]]],
-    ) -> None:
-        node = self.s.graph[st.node]
-        prompts_text, columns = batch
-        if st.op == "input" and node.kwargs.get("kind") == "preferences":
-            w = self.s.workload
-            pairs = tokenize_pairs(self.tok, prompts_text, columns["chosen"], columns["rejected"], w.prompt_len, w.response_len)
-            env[st.node] = Local(pairs)
-        elif st.op == "input":
-            env[st.node] = Local(tokenize_prompts(self.tok, prompts_text, self.s.workload.prompt_len))
-        elif st.op == "generate":
-            n = int(st.args.get("n", 1))
-            n_of[st.node] = n
-            env[st.node], metas[st.node] = self._generate(st, env[node.args[0].node], n, step)
-        elif st.op in ("logprobs", "values", "score"):
-            env[st.node], metas[st.node] = self._forward(st, self._value(env, node.args[0]))
-        elif st.op == "update":
-            metas[st.node] = self._update(st, env, node)
-        elif st.op == "weight_sync":
-            metas[st.node] = self._sync(st)
-        elif st.op == "reward":
-            src = node.args[0].node
-            if src not in metas:
-                raise RuntimeFailure(f"reward {st.node} must score a rollout straight from generate, not %{src}")
-            texts = [t for m in self._wait(st, metas[src], "generate") for t in m["texts"]]
-            k = n_of[src]
-            cols = {c: [v for v in vals for _ in range(k)] for c, vals in columns.items()}
-            ptext = [p for p in prompts_text for _ in range(k)]
-            env[st.node] = Local(
-                call_reward(self.s.rewards[node.role], self.s.reward_names.get(node.role, node.role), ptext, texts, cols)
-            )
-        elif st.op == "compute":
-            fn = resolve(node.target)
-            args = self._arg(env, node.args)
-            kwargs = self._arg(env, node.kwargs)
-            try:
-                env[st.node] = Local(fn(*args, **kwargs))
-            except Exception as e:
-                raise RuntimeFailure(f"compute {st.node} ({node.target}) failed at step {step}: {type(e).__name__}: {e}") from e
-        else:
+    def _exec(self, st: Step, it: Iteration) -> None:
+        handler = self._handlers.get(st.op)
+        if handler is None:
             raise RuntimeFailure(f"the runtime cannot execute op {st.op!r} ({st.node})")
+        handler(st, self.p.graph[st.node], it)
 
-    def _filter(self, st: Step, env: dict[str, Any], step: int) -> Local:
+    def _input(self, st: Step, node: Node, it: Iteration) -> None:
+        w = self.p.workload
+        if node.kwargs.get("kind") == "preferences":
+            pairs = tokenize_pairs(
+                self.tok, it.prompts, it.columns["chosen"], it.columns["rejected"], w.prompt_len, w.response_len
+            )
+            it.env[st.node] = Local(pairs)
+        else:
+            it.env[st.node] = Local(tokenize_prompts(self.tok, it.prompts, w.prompt_len))
+
+    def _generate_step(self, st: Step, node: Node, it: Iteration) -> None:
+        n = int(st.args.get("n", 1))
+        it.samples[st.node] = n
+        it.env[st.node], it.metas[st.node] = self._generate(st, it.env[node.args[0].node], n, it.step, it.round)
+
+    def _forward_step(self, st: Step, node: Node, it: Iteration) -> None:
+        it.env[st.node], it.metas[st.node] = self._forward(st, self._value(it.env, node.args[0]))
+
+    def _update_step(self, st: Step, node: Node, it: Iteration) -> None:
+        it.metas[st.node] = self._update(st, it.env, node)
+
+    def _sync_step(self, st: Step, node: Node, it: Iteration) -> None:
+        it.metas[st.node] = self._sync(st)
+
+    def _reward(self, st: Step, node: Node, it: Iteration) -> None:
+        src = node.args[0].node
+        if src not in it.metas:
+            raise RuntimeFailure(f"reward {st.node} must score a rollout straight from generate, not %{src}")
+        texts = [t for m in self._wait(st, it.metas[src], "generate") for t in m["texts"]]
+        k = it.samples[src]
+        cols = {c: [v for v in vals for _ in range(k)] for c, vals in it.columns.items()}
+        ptext = [p for p in it.prompts for _ in range(k)]
+        name = self.s.reward_names.get(node.role, node.role)
+        it.env[st.node] = Local(call_reward(self.s.rewards[node.role], name, ptext, texts, cols))
+
+    def _compute(self, st: Step, node: Node, it: Iteration) -> None:
+        fn = resolve(node.target)
+        args, kwargs = self._arg(it.env, node.args), self._arg(it.env, node.kwargs)
+        try:
+            it.env[st.node] = Local(fn(*args, **kwargs))
+        except Exception as e:
+            raise RuntimeFailure(f"compute {st.node} ({node.target}) failed at step {it.step}: {type(e).__name__}: {e}") from e
+
+    def _filter(self, st: Step, it: Iteration) -> Local:
         """Dynamic sampling: keep the groups whose scores vary; re-run the filter's ancestors on
         fresh prompts until the batch holds as many groups as it started with, or the rounds run out."""
-        node = self.s.graph[st.node]
+        node = self.p.graph[st.node]
         k, max_rounds = int(node.kwargs["group_size"]), int(node.kwargs["max_rounds"])
-        region = filter_region(self.s.graph, st.node)
-        steps = [s for s in self.s.program.steps if s.node in region]
-        rollout, scores = self._arg(env, node.args[0]), self._arg(env, node.args[1])
+        region = filter_region(self.p.graph, st.node)
+        steps = [s for s in self.p.steps if s.node in region]
+        rollout, scores = self._arg(it.env, node.args[0]), self._arg(it.env, node.args[1])
         want = num_rows(rollout) // k
         kept: list[tuple[Any, torch.Tensor]] = []
         first_keep = varied_groups(scores, k)
@@ -267,20 +290,17 @@ class Controller:
             n_kept += int(keep.sum())
             if n_kept >= want or rounds >= max_rounds:
                 break
-            env2: dict[str, Any] = {}
-            metas2: dict[str, list[Any]] = {}
-            n2: dict[str, int] = {}
-            batch = self._prompt_batch(step, f"{self.cfg.seed}/round{rounds}")
+            again = self._iteration(it.step, rounds)
             for s in steps:
-                self._exec(s, env2, metas2, n2, step, batch)
+                self._exec(s, again)
             for s in steps:  # this round's device time and generated tokens count toward the step
-                if s.node in metas2:
-                    got = self._wait(s, metas2[s.node], s.op)
+                if s.node in again.metas:
+                    got = self._wait(s, again.metas[s.node], s.op)
                     sec = self._extra["seconds"]
                     sec[s.node] = sec.get(s.node, 0.0) + max(x.get("seconds", 0.0) for x in got)
-                    if s.op == "generate":
+                    if s.op == Op.GENERATE:
                         self._extra["tokens"] += sum(x["tokens"] for x in got)
-            rollout, scores = self._arg(env2, node.args[0]), self._arg(env2, node.args[1])
+            rollout, scores = self._arg(again.env, node.args[0]), self._arg(again.env, node.args[1])
             keep, rounds = varied_groups(scores, k), rounds + 1
         if n_kept < want:  # rounds ran out: top up with groups that carry no gradient
             rows = spare[2].nonzero().squeeze(-1)[: (want - n_kept) * k]
@@ -296,50 +316,47 @@ class Controller:
         )
         return Local((out_rollout, out_scores))
 
-    def _wait(self, st: Step, refs: list[Any], what: str) -> list[Any]:
-        group = self.groups[st.group] if st.group else next(iter(self.groups.values()))
-        return group.get(refs, f"{what} {st.node}")
-
-    def _generate(self, st: Step, prompts: Any, n: int, step: int) -> tuple[Sharded, list[Any]]:
-        wg, e = self._group_of(st)
+    # ---------------------------------------------------------- device calls
+    def _generate(self, st: Step, prompts: Any, n: int, step: int, round_: int = 0) -> tuple[Sharded, list[Any]]:
+        wg, e = self._group_of(st.engine)
         sp = self.cfg.sampling.model_copy(update={k: v for k, v in st.args.items() if k in SamplingParams.model_fields})
-        max_tokens = sp.max_tokens or self.s.workload.response_len
+        max_tokens = sp.max_tokens or self.p.workload.response_len
         src = self._sharded(prompts)
-        out = self._generate_call(wg, e, src, {"n": n, "sampling": sp, "max_tokens": max_tokens, "step": step})
+        out = self._generate_call(wg, e, src, {"n": n, "sampling": sp, "max_tokens": max_tokens, "step": step, "round": round_})
         counts = [n * (hi - lo) for lo, hi in even_split(src.rows, e.layout.dp)]
         return Sharded(tuple(o[0] for o in out), tuple(counts)), [o[1] for o in out]
 
     def _generate_call(self, wg: WorkerGroup, e: EngineSpec, src: Sharded, args: dict[str, Any]) -> list[Any]:
         """One generate per replica: the ``tp`` ranks of a replica get the same prompts
-        (vLLM's tensor-parallel group); only its first rank's output is kept."""
+        (vLLM's tensor-parallel group); only its first rank's output is kept. Each
+        replica is told where its rows start, so seeds follow global rows."""
         tp = e.layout.tp
+        ranges = even_split(src.rows, e.layout.dp)
         per = self._per_rank({"prompts": src}, e.layout.dp)
-        out = wg.call("run", per_rank=[(self._key(e), "generate", per[r // tp], args) for r in range(wg.size)], num_returns=2)
-        return out[::tp]
+        calls = [(e.key, Op.GENERATE, per[r // tp], {**args, "row_offset": ranges[r // tp][0]}) for r in range(wg.size)]
+        return wg.call("run", per_rank=calls, num_returns=2)[::tp]
 
-    def _forward(self, st: Step, rollout: Sharded) -> tuple[Sharded, list[Any]]:
+    def _forward(self, st: Step, rollout: Any) -> tuple[Sharded, list[Any]]:
         """Every rank of a data-parallel replica gets the replica's rows (Megatron's
         tp/pp ranks); one rank per replica answers (see runtime.ranks)."""
-        wg, e = self._group_of(st)
+        wg, e = self._group_of(st.engine)
         rollout = self._sharded(rollout)
         per = self._per_rank({"rollout": rollout}, e.layout.dp)
         replica = replica_of(e.layout)
         out = wg.call(
-            "run",
-            per_rank=[(self._key(e), st.op, per[replica[r]], {"micro": e.layout.micro_batch}) for r in range(wg.size)],
-            num_returns=2,
+            "run", per_rank=[(e.key, st.op, per[replica[r]], {"micro": st.args["micro"]}) for r in range(wg.size)], num_returns=2
         )
         counts = [hi - lo for lo, hi in even_split(rollout.rows, e.layout.dp)]
         return Sharded(tuple(out[r][0] for r in output_ranks(e.layout)), tuple(counts)), [o[1] for o in out]
 
-    def _update(self, st: Step, env: dict[str, Any], node: Any) -> list[Any]:
-        wg, e = self._group_of(st)
+    def _update(self, st: Step, env: dict[str, Any], node: Node) -> list[Any]:
+        wg, e = self._group_of(st.engine)
         values: dict[str, Sharded] = {"rollout": self._sharded(self._value(env, node.args[0]))}
-        for name in ("advantages", "old_logprobs", "ref_logprobs", "returns", "old_values"):
+        for name in UPDATE_TENSORS:
             if name in node.kwargs:
                 v = self._value(env, node.kwargs[name])
                 values[name] = self._sharded(v) if isinstance(v, Local) else v
-        w = self.s.workload
+        w = self.p.workload
         unit = 2 if isinstance(node.kwargs["loss"], PREFERENCE_LOSSES) else 1  # DPO's pairs stay on one rank
         ranges = minibatch_rows(values["rollout"].rows, w.mini_batches, e.layout.dp, unit)
         per = [{k: [p for a, b in ranges[r] for p in v.pieces(a, b)] for k, v in values.items()} for r in range(e.layout.dp)]
@@ -349,86 +366,84 @@ class Controller:
             "kl_kind": node.kwargs.get("kl_kind", "low_var_kl"),
             "entropy_coef": float(node.kwargs.get("entropy_coef", 0.0)),
             "epochs": w.epochs,
-            "micro": e.layout.micro_batch,
+            "micro": st.args["micro"],
         }
         args = [{**base, "mini_sizes": [b - a for a, b in ranges[r]]} for r in range(e.layout.dp)]
         replica = replica_of(e.layout)
-        out = wg.call(
-            "run", per_rank=[(self._key(e), "update", per[replica[r]], args[replica[r]]) for r in range(wg.size)], num_returns=2
-        )
-        return [o[1] for o in out]
+        calls = [(e.key, Op.UPDATE, per[replica[r]], args[replica[r]]) for r in range(wg.size)]
+        return [o[1] for o in wg.call("run", per_rank=calls, num_returns=2)]
 
     def _sync(self, st: Step) -> list[Any]:
-        role = st.engine.split("/")[0]
-        tg, te = self.s.program.engine(role, "train")
-        gg, ge = self.s.program.engine(role, "rollout")
-        src, dst = self._key(te), self._key(ge)
-        if tg.name == gg.name:
-            wg = self.groups[tg.name]
-            return wg.call("sync_local", src, dst)
-        train, gen = self.groups[tg.name], self.groups[gg.name]
-        exported = train.get(train.call("export_weights", src, BUCKET_BYTES), f"weight sync {role} (gather)")
-        buckets = exported[0][0]
-        return gen.call("import_weights", dst, buckets)
+        """A weight sync by the method the plan chose, through the transport the runtime implements it with."""
+        return self._syncs[st.args["transport"]](st)
+
+    def _sync_local(self, st: Step) -> list[Any]:
+        wg, _ = self._group_of(st.engine)
+        return wg.call("sync_local", st.engine, st.args["to"])
+
+    def _sync_buckets(self, st: Step) -> list[Any]:
+        train, _ = self._group_of(st.engine)
+        gen, _ = self._group_of(st.args["to"])
+        exported = train.get(
+            train.call("export_weights", st.engine, st.args["bucket_bytes"]), f"weight sync {st.engine.role} (gather)"
+        )
+        return gen.call("import_weights", st.args["to"], exported[0][0])
 
     # -------------------------------------------------------------- metrics
-    def _metrics(
-        self, step: int, env: dict[str, Any], metas: dict[str, list[Any]], n_of: dict[str, int], t_step: float
-    ) -> dict[str, Any]:
-        g = self.s.graph
+    def _metrics(self, step: int, it: Iteration, t_step: float) -> dict[str, Any]:
+        g = self.p.graph
         m: dict[str, Any] = {"step": step + 1}
         measured: dict[str, float] = {}
         gen_tokens = 0
         tokens_of: dict[str, int] = {}
-        for st in self.s.program.steps:
-            if st.node not in metas:
+        for st in self.p.steps:
+            if st.node not in it.metas:
                 continue
-            got = self._wait(st, metas[st.node], st.op)
+            got = self._wait(st, it.metas[st.node], st.op)
             measured[st.node] = max(x.get("seconds", 0.0) for x in got)
             used = [x["device_gb"] for x in got if "device_gb" in x]
             if used:
                 m["device_gb"] = max([m.get("device_gb", 0.0), *used])  # GPU memory in use after an op, worst device
-            if st.op == "generate":
+            role = g[st.node].role
+            if st.op == Op.GENERATE:
                 tokens_of[st.node] = sum(x["tokens"] for x in got)
                 gen_tokens += tokens_of[st.node]
-            if st.op == "update":
+            elif st.op == Op.UPDATE:
                 stats = [x["stats"] for x in got]
                 for k in stats[0]:
-                    m[f"{g[st.node].role}/{k}"] = sum(s[k] for s in stats) / len(stats)
-            if st.op == "weight_sync":
-                m[f"{g[st.node].role}/sync_bytes_per_device"] = max(x["bytes"] for x in got)
-                m[f"{g[st.node].role}/sync_s"] = max(x["seconds"] for x in got)
-                # the planner's, beside the measured (one sync feeds every generate of the role, as lowered)
-                r = next(r for r in self.s.plan.reshards if r.role == g[st.node].role and r.dst_phase == "generate")
-                m[f"{g[st.node].role}/sync_bytes_predicted"] = r.bytes_per_device
-        for st in self.s.program.steps:
+                    m[f"{role}/{k}"] = sum(s[k] for s in stats) / len(stats)
+            elif st.op == Op.WEIGHT_SYNC:
+                m[f"{role}/sync_bytes_per_device"] = max(x["bytes"] for x in got)
+                m[f"{role}/sync_s"] = max(x["seconds"] for x in got)
+                m[f"{role}/sync_bytes_predicted"] = st.args["bytes_predicted"]  # the planner's, beside the measured
+                if "buckets" in got[0]:
+                    m[f"{role}/sync_buckets"] = got[0]["buckets"]
+        for st in self.p.steps:
             node = g[st.node]
-            if st.op == "reward":
-                scores = env[st.node].value
+            if st.op == Op.REWARD:
+                scores = it.env[st.node].value
                 m[f"{st.node}/mean"] = float(scores.mean())
                 m[f"{st.node}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
                 if bool(((scores == 0) | (scores == 1)).all()):
                     m[f"{st.node}/accuracy"] = float(scores.mean())
-            if st.op == "generate" and node.kwargs.get("greedy") is not True and "response_length" not in m:
-                m["response_length"] = tokens_of[st.node] / max(env[st.node].rows, 1)
-        first_reward = next((st.node for st in self.s.program.steps if st.op == "reward"), None)
+            if st.op == Op.GENERATE and node.kwargs.get("greedy") is not True and "response_length" not in m:
+                m["response_length"] = tokens_of[st.node] / max(it.env[st.node].rows, 1)
+        first_reward = next((st.node for st in self.p.steps if st.op == Op.REWARD), None)
         if first_reward:
             m["reward"] = m[f"{first_reward}/mean"]
             m["reward_std"] = m[f"{first_reward}/std"]
             if f"{first_reward}/accuracy" in m:
                 m["accuracy"] = m[f"{first_reward}/accuracy"]
-        extra = self._extra
-        if extra:
-            for node_id, sec in extra["seconds"].items():
-                measured[node_id] = measured.get(node_id, 0.0) + sec
-            gen_tokens += extra["tokens"]
-            m.update(extra["metrics"])
+        for node_id, sec in self._extra["seconds"].items():
+            measured[node_id] = measured.get(node_id, 0.0) + sec
+        gen_tokens += self._extra["tokens"]
+        m.update(self._extra["metrics"])
         wall = time.perf_counter() - t_step  # every op of the step has finished
         m["step_s"] = wall
         m["gen_tokens"] = gen_tokens
         m["tokens_per_s"] = gen_tokens / wall if wall > 0 else 0.0
         m["measured_s"] = measured
-        m["predicted_s"] = {st.node: st.predicted_s for st in self.s.program.steps if st.group}
+        m["predicted_s"] = {st.node: st.predicted_s for st in self.p.steps if st.group}
         return m
 
     # ------------------------------------------------------------- evaluate
@@ -437,29 +452,28 @@ class Controller:
         data = self.s.eval_data
         if data is None:
             return {}
-        dpo = [
-            st
-            for st in self.s.program.steps
-            if st.op == "update" and isinstance(self.s.graph[st.node].kwargs["loss"], PREFERENCE_LOSSES)
-        ]
+        dpo = [st for st in self.p.steps_of(Op.UPDATE) if isinstance(self.p.graph[st.node].kwargs["loss"], PREFERENCE_LOSSES)]
         if dpo:
             return self._evaluate_pairs(dpo[0], data)
         if not self.s.rewards:
             return {}
         rows = data.head(self.cfg.eval_size)
         role = next(iter(self.s.rewards))
-        gen_step = next(st for st in self.s.program.steps if st.op == "generate")
-        wg, e = self._group_of(gen_step)
-        sp = SamplingParams(greedy=True)
-        prompts = tokenize_prompts(self.tok, [r[data.prompt_key] for r in rows], self.s.workload.prompt_len)
+        wg, e = self._group_of(self.p.steps_of(Op.GENERATE)[0].engine)
+        prompts = tokenize_prompts(self.tok, [r[data.prompt_key] for r in rows], self.p.workload.prompt_len)
         src = Sharded((ray.put(prompts),), (len(rows),))
-        args = {"n": 1, "sampling": sp, "max_tokens": self.s.workload.response_len, "step": -1}
+        args = {
+            "n": 1,
+            "sampling": SamplingParams(greedy=True),
+            "max_tokens": self.p.workload.response_len,
+            "step": -1,
+            "round": 0,
+        }
         out = self._generate_call(wg, e, src, args)
         texts = [t for m in wg.get([o[1] for o in out], "evaluation") for t in m["texts"]]
         cols = {k: [r[k] for r in rows] for k in rows[0] if k != data.prompt_key}
-        scores = call_reward(
-            self.s.rewards[role], self.s.reward_names.get(role, role), [r[data.prompt_key] for r in rows], texts, cols
-        )
+        name = self.s.reward_names.get(role, role)
+        scores = call_reward(self.s.rewards[role], name, [r[data.prompt_key] for r in rows], texts, cols)
         return {
             "eval/reward": float(scores.mean()),
             "eval/accuracy": float((scores >= 1.0).float().mean()),
@@ -469,24 +483,18 @@ class Controller:
     def _evaluate_pairs(self, upd: Step, data: Records) -> dict[str, float]:
         """Held-out preference pairs: how often, and by how much, the policy prefers the chosen response
         over the rejected one relative to the reference (DPO's implicit reward)."""
-        node = self.s.graph[upd.node]
+        node = self.p.graph[upd.node]
         ref = node.kwargs["ref_logprobs"]
-        ref_step = next((st for st in self.s.program.steps if st.node == ref.node and st.op == "logprobs"), None)
+        ref_step = next((st for st in self.p.steps_of(Op.LOGPROBS) if st.node == ref.node), None)
         if ref_step is None or ref.path:
             return {}  # the reference's log-probabilities are computed, not read: nothing to compare against
         rows = data.head(self.cfg.eval_size)
-        w = self.s.workload
-        pairs = tokenize_pairs(
-            self.tok,
-            [r[data.prompt_key] for r in rows],
-            [r["chosen"] for r in rows],
-            [r["rejected"] for r in rows],
-            w.prompt_len,
-            w.response_len,
-        )
+        w = self.p.workload
+        cols = [[r[c] for r in rows] for c in (data.prompt_key, "chosen", "rejected")]
+        pairs = tokenize_pairs(self.tok, *cols, w.prompt_len, w.response_len)
         src = Sharded((ray.put(pairs),), (num_rows(pairs),))
         ref_lp, _ = self._forward(ref_step, src)
-        act_lp, _ = self._forward(replace(upd, op="logprobs"), src)
+        act_lp, _ = self._forward(replace(upd, op=Op.LOGPROBS), src)
         _, st = dpo_loss(node.kwargs["loss"], self._materialize(act_lp), self._materialize(ref_lp), pairs.response_mask)
         return {
             "eval/dpo_accuracy": st["dpo_accuracy"],
@@ -495,7 +503,33 @@ class Controller:
             "eval/size": float(len(rows)),
         }
 
+    def sync_error(self, role: str, step: int = 10**6) -> float:
+        """Largest |trainer − rollout engine| log-probability of the same sampled
+        tokens: zero (to rounding) when the last weight sync delivered the
+        trained weights."""
+        gen = next(st for st in self.p.steps_of(Op.GENERATE) if st.engine.role == role)
+        rows = self.s.data.batch(0, self.p.workload.prompts, self.cfg.seed)
+        prompts = Local(tokenize_prompts(self.tok, [r[self.s.data.prompt_key] for r in rows], self.p.workload.prompt_len))
+        rollout, metas = self._generate(gen, prompts, 2, step)
+        self._wait(gen, metas, "generate")
+        train_key = EngineKey(role, EngineKind.TRAIN)
+        tg, te = self.p.engine(train_key)
+        check = Step(-1, Op.LOGPROBS, "check", tg.name, train_key, (), {"micro": te.layout.micro_batch})
+        trained, tmeta = self._forward(check, rollout)
+        self._wait(gen, tmeta, "trainer log-probabilities")
+        wg, ge = self._group_of(gen.engine)
+        per, tp = self._per_rank({"rollout": rollout}, ge.layout.dp), ge.layout.tp
+        refs = [w.rollout_logprobs.remote(ge.key, per[r // tp]) for r, w in enumerate(wg.workers)]
+        engine_lp = wg.get(refs, "rollout log-probabilities")[::tp]
+        a = torch.cat(engine_lp, dim=0)
+        b = self._materialize(trained)
+        mask = self._materialize(rollout.project("response_mask"))
+        return float(((a - b).abs() * mask).max())
+
     # ----------------------------------------------------------- checkpoints
+    def _trained(self) -> list[tuple[WorkerGroup, EngineSpec]]:
+        return [(self.groups[g.name], e) for g in self.p.groups for e in g.engines if e.key.kind == EngineKind.TRAIN]
+
     def save(self, step: int, extra: dict[str, Any]) -> Path:
         """Write a checkpoint atomically: into a temporary directory, then rename."""
         root = self.s.out_dir / "checkpoints"
@@ -504,11 +538,8 @@ class Controller:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        for g in self.s.program.groups:
-            wg = self.groups[g.name]
-            for e in g.engines:
-                if e.engine == "train":
-                    wg.get(wg.call("save", self._key(e), str(tmp)), f"saving {e.role}")
+        for wg, e in self._trained():
+            wg.get(wg.call("save", e.key, str(tmp)), f"saving {e.role}")
         state = {"step": step, "metrics": self.history, **extra}
         (tmp / "controller.json").write_text(json.dumps(state))
         if final.exists():
@@ -530,46 +561,18 @@ class Controller:
             raise DataError(f"{run_dir} has no checkpoint to resume from", fix="resume a run directory written by flowc run")
         ckpt = root / latest.read_text().strip()
         state = json.loads((ckpt / "controller.json").read_text())
-        for g in self.s.program.groups:
-            wg = self.groups[g.name]
-            for e in g.engines:
-                if e.engine == "train":
-                    wg.get(wg.call("load", self._key(e), str(ckpt)), f"loading {e.role}")
-        for st in self.s.program.steps:  # the rollout engines get the restored weights
-            if st.op == "weight_sync":
-                self._wait(st, self._sync(st), "weight sync")
+        for wg, e in self._trained():
+            wg.get(wg.call("load", e.key, str(ckpt)), f"loading {e.role}")
+        for st in self.p.steps_of(Op.WEIGHT_SYNC):  # the rollout engines get the restored weights
+            self._wait(st, self._sync(st), "weight sync")
         self.history = state.get("metrics", [])
         return state
 
-    def sync_error(self, role: str, step: int = 10**6) -> float:
-        """Largest |trainer − rollout engine| log-probability of the same sampled
-        tokens: zero (to rounding) when the last weight sync delivered the
-        trained weights."""
-        gen = next(st for st in self.s.program.steps if st.op == "generate" and st.engine == f"{role}/rollout")
-        rows = self.s.data.batch(0, self.s.workload.prompts, self.cfg.seed)
-        prompts = Local(tokenize_prompts(self.tok, [r[self.s.data.prompt_key] for r in rows], self.s.workload.prompt_len))
-        rollout, metas = self._generate(gen, prompts, 2, step)
-        self._wait(gen, metas, "generate")
-        tg, _ = self.s.program.engine(role, "train")
-        trained, tmeta = self._forward(Step(-1, "logprobs", "check", tg.name, f"{role}/train", ()), rollout)
-        self._wait(gen, tmeta, "trainer log-probabilities")
-        gg, ge = self.s.program.engine(role, "rollout")
-        wg = self.groups[gg.name]
-        per, tp = self._per_rank({"rollout": rollout}, ge.layout.dp), ge.layout.tp
-        refs = [w.rollout_logprobs.remote(self._key(ge), per[r // tp]) for r, w in enumerate(wg.workers)]
-        engine_lp = wg.get(refs, "rollout log-probabilities")[::tp]
-        a = torch.cat(engine_lp, dim=0)
-        b = self._materialize(trained)
-        mask = self._materialize(rollout.project("response_mask"))
-        return float(((a - b).abs() * mask).max())
-
     def export_policy(self, path: Path) -> None:
-        for g in self.s.program.groups:
-            for e in g.engines:
-                if e.engine == "train" and e.kind == "policy":
-                    wg = self.groups[g.name]
-                    wg.get(wg.call("export_hf", self._key(e), str(path), self.s.tokenizer), "exporting the policy")
-                    return
+        for wg, e in self._trained():
+            if e.role_kind == "policy":
+                wg.get(wg.call("export_hf", e.key, str(path), self.s.tokenizer), "exporting the policy")
+                return
 
 
 def init_ray(address: str | None, *, temp_dir: str | None = None) -> bool:
@@ -586,4 +589,4 @@ def init_ray(address: str | None, *, temp_dir: str | None = None) -> bool:
     return True
 
 
-__all__ = ["Controller", "PromptBatch", "RunSpec", "init_ray"]
+__all__ = ["Controller", "Local", "RunSpec", "init_ray"]

@@ -101,6 +101,25 @@ def load_causal_lm(source: str | Path | ModelSpec, *, dtype: torch.dtype = torch
     return model
 
 
+def save_hf(source: str, state: dict[str, torch.Tensor], path: str, tokenizer: str | None, *, trunk: bool, what: str) -> None:
+    """Write trained weights in HF format beside ``source``'s config (and ``tokenizer``'s files):
+    ``state`` holds the whole LM's parameters, or with ``trunk`` only its trunk's (a critic
+    or reward model, whose scalar head the LM does not have)."""
+    from flowc.errors import DataError
+
+    lm = load_causal_lm(source, dtype=next(iter(state.values())).dtype)
+    target = lm.model if trunk else lm
+    missing, unexpected = target.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(lm.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise DataError(f"exporting {what}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    lm.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(path)
+
+
 class ValueModel(nn.Module):
     """A critic: the LM's trunk and a scalar head on every position."""
 

@@ -1,4 +1,4 @@
-"""Lowering: a Plan and its graph become a Program.
+"""Lowering: a Plan becomes a Program.
 
 A Program lists, for each worker group (a pool of the plan), the engines its
 workers host and the ordered instructions they run in one iteration, plus the
@@ -7,8 +7,12 @@ controller walks ``steps`` in order; instructions of one group run one after
 another (Ray actors execute their calls in order), instructions of different
 groups overlap.
 
-The Program is plain data with a deterministic text form: saving a plan,
-reloading it and lowering again gives the same program (a test checks it).
+:func:`lower` takes the plan and nothing else — the plan holds its graph and
+its target — verifies it, checks that this runtime executes every decision
+in it (each phase's backend and layout, each weight sync's method), and
+follows every one: nothing is re-decided here or later. The Program is plain
+data with a deterministic text form: saving a plan, reloading it and lowering
+again gives the same program (a test checks it).
 """
 
 from __future__ import annotations
@@ -17,37 +21,65 @@ from dataclasses import dataclass, field
 
 from flowc.errors import PlanError
 from flowc.ir.graph import FlowGraph
-from flowc.ir.ops import MODEL_OPS
-from flowc.ir.plan import Layout, Plan
-from flowc.ir.plan_verify import _ids
+from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP, TRAINABLE_KINDS, Op, RoleKind, _Name
+from flowc.ir.plan import Layout, Plan, ReshardPlan, Target
+from flowc.ir.plan_verify import device_ids, verify_plan
+from flowc.ir.workload import WorkloadSpec
+from flowc.runtime.backends import SYNC_TRANSPORTS, backend
 
-ENGINE_OF_PHASE = {"train": "train", "forward": "train", "generate": "rollout"}
+
+class EngineKind(_Name):
+    """What an engine does for its role: trains it (and runs its forward ops),
+    runs a frozen role's forward ops, or generates."""
+
+    TRAIN = "train"
+    FORWARD = "forward"
+    ROLLOUT = "rollout"
+
+    @classmethod
+    def of(cls, role_kind: str, phase: str) -> EngineKind:
+        if phase == "generate":
+            return cls.ROLLOUT
+        return cls.TRAIN if role_kind in TRAINABLE_KINDS else cls.FORWARD
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """Names one engine of a run: a role's train, forward or rollout engine."""
+
+    role: str
+    kind: EngineKind
+
+    def __str__(self) -> str:
+        return f"{self.role}/{self.kind}"
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """One engine a worker group hosts: a role's model in one layout."""
 
-    role: str
-    kind: str  # role kind: policy, critic, reference, reward_model
-    engine: str  # "train" (trainable: update + forward), "forward" (frozen), "rollout" (generation)
-    backend: str
+    key: EngineKey
+    role_kind: RoleKind
     layout: Layout
     model: str
 
+    @property
+    def role(self) -> str:
+        return self.key.role
+
     def __str__(self) -> str:
-        return f"{self.role}/{self.engine}[{self.backend} {self.layout.short()}]"
+        return f"{self.key}[{self.layout.backend} {self.layout.short()} mb{self.layout.micro_batch}]"
 
 
 @dataclass(frozen=True)
 class Step:
-    """One instruction. ``group`` is None for the controller."""
+    """One instruction. ``group`` and ``engine`` are None for the controller."""
 
     index: int
-    op: str  # input | generate | logprobs | values | score | update | weight_sync | reward | compute
+    op: Op
     node: str
     group: str | None
-    engine: str | None  # "role/engine" for device ops
+    engine: EngineKey | None
     inputs: tuple[str, ...]
     args: dict[str, object] = field(default_factory=dict)
     predicted_s: float = 0.0
@@ -76,12 +108,21 @@ class GroupSpec:
     def nodes(self) -> tuple[int, ...]:
         return tuple(sorted({d // self.devices_per_node for d in self.devices}))
 
+    def hosts(self, kind: EngineKind) -> bool:
+        return any(e.key.kind == kind for e in self.engines)
+
 
 @dataclass(frozen=True)
 class Program:
+    """Everything the controller executes: the groups, the steps of one iteration,
+    the graph they come from, the target and the workload they were planned for."""
+
     flow: str
     groups: tuple[GroupSpec, ...]
     steps: tuple[Step, ...]
+    graph: FlowGraph
+    target: Target
+    workload: WorkloadSpec
 
     def group(self, name: str) -> GroupSpec:
         for g in self.groups:
@@ -89,15 +130,22 @@ class Program:
                 return g
         raise PlanError(f"program has no worker group {name!r}")
 
-    def engine(self, role: str, engine: str) -> tuple[GroupSpec, EngineSpec]:
+    def engine(self, key: EngineKey) -> tuple[GroupSpec, EngineSpec]:
         for g in self.groups:
             for e in g.engines:
-                if e.role == role and e.engine == engine:
+                if e.key == key:
                     return g, e
-        raise PlanError(f"program has no {engine} engine for role {role!r}")
+        raise PlanError(f"program has no engine {key}")
+
+    def steps_of(self, op: Op) -> list[Step]:
+        return [s for s in self.steps if s.op == op]
 
     def __str__(self) -> str:
-        lines = [f"program {self.flow}"]
+        t = self.target
+        lines = [
+            f"program {self.flow}",
+            f"  target {t.kind} {t.dtype} {t.collective}, {t.cpus_per_worker:g} CPU(s) per worker, calls time out after {t.timeout_s:g} s",
+        ]
         for g in self.groups:
             lines.append(f"  group {g.name}: {g.size} workers on devices {list(g.devices)} (nodes {list(g.nodes)})")
             for e in g.engines:
@@ -107,63 +155,95 @@ class Program:
         return "\n".join(lines) + "\n"
 
 
-def lower(plan: Plan, g: FlowGraph) -> Program:
-    """The Program that runs ``plan`` for graph ``g``."""
-    if plan.flow != g.name:
-        raise PlanError(f"plan is for flow {plan.flow!r}, graph is {g.name!r}")
-    node_size = int(plan.cluster["devices_per_node"])
-    engines: dict[str, list[EngineSpec]] = {p.name: [] for p in plan.pools}
-    seen: set[tuple[str, str]] = set()
+def check_executable(plan: Plan) -> None:
+    """Raise a PlanError naming the first decision of ``plan`` this runtime cannot execute."""
+    kind = plan.target.kind
     for role, rp in plan.roles.items():
         for phase, pp in rp.phases.items():
-            kind = rp.kind
-            engine = "rollout" if phase == "generate" else ("train" if kind in ("policy", "critic") else "forward")
-            if (role, engine) in seen:
-                continue
-            seen.add((role, engine))
-            engines[pp.pool].append(EngineSpec(role, kind, engine, pp.layout.backend, pp.layout, rp.model))
+            info = backend(pp.layout.backend)
+            want = "rollout" if phase == "generate" else "trainer"
+            if info.role != want:
+                raise PlanError(
+                    f"{role}.{phase} runs on {info.name}, a {info.role} backend; a {phase} phase needs a {want} backend"
+                )
+            info.check(kind, pp.layout, f"{role}.{phase}")
+    for r in plan.reshards:
+        if r.dst_phase == "generate" and r is plan.generation_sync(r.role):
+            _check_sync(plan, r)
+
+
+def _check_sync(plan: Plan, r: ReshardPlan) -> None:
+    transport = SYNC_TRANSPORTS.get(r.method)
+    if transport is None:
+        raise PlanError(
+            f"{r.role}'s weight sync is planned as {r.method}, which this runtime does not implement "
+            f"(it syncs by {', '.join(SYNC_TRANSPORTS)})",
+            fix=f"re-plan within what the runtime executes (flowc plan … --for-run), or pin reshard.{r.role}=broadcast",
+        )
+    shared = plan.phase(r.role, "train").pool == plan.phase(r.role, "generate").pool
+    if shared != (transport == "local"):
+        where = "shares its training devices" if shared else "has devices of its own"
+        raise PlanError(f"{r.role}'s generation {where}, but its sync is planned as {r.method}", fix="re-plan the flow")
+
+
+def lower(plan: Plan) -> Program:
+    """The Program that runs ``plan``: verified, checked against what this runtime executes."""
+    verify_plan(plan)
+    check_executable(plan)
+    g = plan.flow_graph()
+    node_size = int(plan.cluster["devices_per_node"])
+    engines: dict[str, list[EngineSpec]] = {p.name: [] for p in plan.pools}
+    for role, rp in plan.roles.items():
+        for phase, pp in rp.phases.items():
+            key = EngineKey(role, EngineKind.of(rp.kind, phase))
+            if phase == "forward" and key.kind == EngineKind.TRAIN:
+                continue  # a trained role's forward ops run on its training engine, in its training layout
+            engines[pp.pool].append(EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model))
     groups = tuple(
         GroupSpec(
-            p.name, tuple(sorted(_ids(p.devices))), node_size, tuple(sorted(engines[p.name], key=lambda e: (e.role, e.engine)))
+            p.name, tuple(sorted(device_ids(p.devices))), node_size, tuple(sorted(engines[p.name], key=lambda e: str(e.key)))
         )
         for p in plan.pools
     )
     predicted = {e.op: e.end_s - e.start_s for e in plan.schedule}
-    pool_of: dict[str, str] = {}
-    for rp in plan.roles.values():
-        for pp in rp.phases.values():
-            for op in pp.ops:
-                pool_of[op] = pp.pool
+    order = [x.id for x in g.nodes]
     steps: list[Step] = []
     for n in g.nodes:
-        ins = tuple(sorted({e.src for e in g.inputs(n.id)}, key=[x.id for x in g.nodes].index))
-        if n.op in MODEL_OPS:
-            role_kind = g.roles[n.role].kind
-            engine = "rollout" if n.op == "generate" else ("train" if role_kind in ("policy", "critic") else "forward")
-            if n.id not in pool_of:
-                raise PlanError(f"the plan does not place op {n.id}", fix="re-plan this flow")
-            args: dict[str, object] = {}
-            if n.op == "generate":
-                args = {k: v for k, v in n.kwargs.items() if not hasattr(v, "node")}
-            steps.append(
-                Step(len(steps), n.op, n.id, pool_of[n.id], f"{n.role}/{engine}", ins, args, round(predicted.get(n.id, 0.0), 6))
-            )
-        elif n.op == "weight_sync":
-            r = next(x for x in plan.reshards if x.role == n.role and x.dst_phase == "generate")
-            steps.append(
-                Step(
-                    len(steps),
-                    "weight_sync",
-                    n.id,
-                    pool_of.get(r.src),
-                    f"{n.role}/train",
-                    ins,
-                    {"method": r.method, "to": f"{n.role}/rollout"},
-                    round(r.time_s, 6),
-                )
-            )
+        ins = tuple(sorted({e.src for e in g.inputs(n.id)}, key=order.index))
+        group, engine, args = _placement(plan, g, n)
+        steps.append(Step(len(steps), n.op, n.id, group, engine, ins, args, round(predicted.get(n.id, 0.0), 6)))
+    return Program(plan.flow, groups, tuple(steps), g, plan.target, _workload(plan))
+
+
+def _placement(plan: Plan, g: FlowGraph, n) -> tuple[str | None, EngineKey | None, dict[str, object]]:
+    """(group, engine, args) of a node: model ops on their phase's pool and engine, a
+    weight sync on the training pool with its method, the rest on the controller."""
+    if n.op in MODEL_OPS:
+        phase = PHASE_OF_OP[n.op]
+        role_kind = g.roles[n.role].kind
+        pp = plan.phase(n.role, "train" if (phase == "forward" and role_kind in TRAINABLE_KINDS) else phase)
+        if n.id not in plan.phase(n.role, phase).ops:
+            raise PlanError(f"the plan does not place op {n.id}", fix="re-plan this flow")
+        key = EngineKey(n.role, EngineKind.of(role_kind, phase))
+        if n.op == Op.GENERATE:
+            args: dict[str, object] = {k: v for k, v in n.kwargs.items() if not hasattr(v, "node")}
         else:
-            steps.append(Step(len(steps), n.op, n.id, None, None, ins))
-    if any(r.dst_phase == "generate" for r in plan.reshards) and not any(s.op == "weight_sync" for s in steps):
-        raise PlanError("lower the planned graph (with its weight_sync nodes), not the traced one")
-    return Program(plan.flow, groups, tuple(steps))
+            args = {"micro": pp.layout.micro_batch}
+        return pp.pool, key, args
+    if n.op == Op.WEIGHT_SYNC:
+        r = plan.generation_sync(n.role)
+        transport = SYNC_TRANSPORTS[r.method]
+        args = {
+            "method": r.method,
+            "transport": transport,
+            "to": EngineKey(n.role, EngineKind.ROLLOUT),
+            "bytes_predicted": r.bytes_per_device,
+        }
+        if transport == "object_store":
+            args["bucket_bytes"] = plan.target.sync_bucket_bytes
+        return plan.phase(n.role, "train").pool, EngineKey(n.role, EngineKind.TRAIN), args
+    return None, None, {}
+
+
+def _workload(plan: Plan) -> WorkloadSpec:
+    return WorkloadSpec(**plan.workload)

@@ -5,6 +5,12 @@ still-running sequences' last tokens. Temperature, top-k, top-p, min-p and
 greedy decoding; EOS or the length limit ends a sequence. Returns the
 response ids (right-padded to ``max_tokens``), the response mask (True up to
 and including EOS) and the sampler's log-probabilities of its choices.
+
+Each sequence draws from its own seed: token ``t`` of sequence ``k`` is the
+inverse CDF of the processed distribution at a uniform that is a hash of
+``(seeds[k], t)``. So a sequence's tokens depend on its seed and the weights
+only — not on which rows share its batch, or on how many replicas split the
+batch — as with vLLM's per-request seeds.
 """
 
 from __future__ import annotations
@@ -20,9 +26,38 @@ from flowc.runtime.modeling import cache_kwarg, cache_of, positions
 
 @dataclass
 class Sampled:
-    response_ids: torch.Tensor  # [N, R]
-    response_mask: torch.Tensor  # [N, R] bool
-    logprobs: torch.Tensor  # [N, R] float32
+    """``N`` sampled responses."""
+
+    response_ids: torch.Tensor  # [N, R], right-padded
+    response_mask: torch.Tensor  # [N, R] bool, True up to and including EOS
+    logprobs: torch.Tensor  # [N, R] float32, the sampler's (processed) log-probabilities
+
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # a 32-bit mixing constant below 2**31: x * _MIX never overflows int64 for x < 2**32
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 tensors holding values in [0, 2**32)."""
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    return (x >> 16) ^ x
+
+
+def uniforms(seeds: torch.Tensor, t: int) -> torch.Tensor:
+    """One uniform in (0, 1) per seed for draw ``t`` (float64), a pure function of (seed, t)."""
+    h = _mix32(seeds.long() & _MASK32)
+    h = _mix32((h + (t + 1) * _GOLDEN) & _MASK32)
+    return (h.double() + 0.5) / 2.0**32
+
+
+def draw(logp: torch.Tensor, seeds: torch.Tensor, t: int) -> torch.Tensor:
+    """A token per row of ``logp [N, V]`` by inverse CDF at :func:`uniforms`; a token of
+    probability 0 is never drawn."""
+    cdf = logp.double().exp().cumsum(-1)
+    u = (uniforms(seeds.to(logp.device), t) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logp.shape[-1] - 1)
 
 
 def process_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -56,26 +91,27 @@ def sample(
     max_tokens: int,
     eos_id: int,
     pad_id: int,
-    generator: torch.Generator | None = None,
+    seeds: torch.Tensor | None = None,
 ) -> Sampled:
-    """Sample one response per row of ``prompt_ids`` (repeat rows for n > 1)."""
+    """Sample one response per row of ``prompt_ids`` (repeat rows for n > 1), row ``k`` with
+    ``seeds[k]`` (greedy decoding needs none)."""
+    if seeds is None and not sp.greedy:
+        raise ValueError("sampling needs a seed per row")
     n = prompt_ids.shape[0]
     mask = prompt_mask.long()
     out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
     cache = cache_of(out)
     logits = out.logits[:, -1]
     next_pos = mask.sum(-1, keepdim=True)
-    ids = torch.full((n, max_tokens), pad_id, dtype=torch.long)
-    lps = torch.zeros((n, max_tokens), dtype=torch.float32)
-    done = torch.zeros(n, dtype=torch.bool)
-    resp_mask = torch.zeros((n, max_tokens), dtype=torch.bool)
+    dev = prompt_ids.device
+    ids = torch.full((n, max_tokens), pad_id, dtype=torch.long, device=dev)
+    lps = torch.zeros((n, max_tokens), dtype=torch.float32, device=dev)
+    done = torch.zeros(n, dtype=torch.bool, device=dev)
+    resp_mask = torch.zeros((n, max_tokens), dtype=torch.bool, device=dev)
     for t in range(max_tokens):
         proc = process_logits(logits, sp)
         logp = F.log_softmax(proc, dim=-1)
-        if sp.greedy:
-            tok = proc.argmax(-1)
-        else:
-            tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        tok = proc.argmax(-1) if sp.greedy else draw(logp, seeds, t)
         live = ~done
         ids[:, t] = torch.where(live, tok, torch.full_like(tok, pad_id))
         lps[:, t] = torch.where(live, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), torch.zeros_like(lps[:, t]))

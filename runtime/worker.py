@@ -2,9 +2,10 @@
 
 A ``WorkerGroup`` is created in a placement group of its pool's bundles,
 joins its workers into one torch.distributed world, hosts the engines the
-program gives it, and runs the same call on every rank. Every wait has a
-timeout; a worker that raises or dies becomes a ``WorkerError`` naming the
-group, the role and the rank.
+program gives it (built by the backend registry from the layout's backend),
+and runs the same call on every rank. Every wait has the plan's timeout; a
+worker that raises or dies becomes a ``WorkerError`` naming the group, the
+role and the rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import collections
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -20,7 +22,12 @@ import ray
 import torch
 
 from flowc.errors import RuntimeFailure, WorkerError, WorkerTimeout
+from flowc.ir.ops import Op
+from flowc.runtime.backends import EngineInit, backend
+from flowc.runtime.backends.rollout import RolloutEngine
+from flowc.runtime.backends.training import TrainEngine
 from flowc.runtime.batches import Piece, assemble
+from flowc.runtime.program import EngineKey
 
 
 def free_port() -> int:
@@ -29,16 +36,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def make_engine(init: EngineInit) -> TrainEngine | RolloutEngine:
+    """The engine of ``init``'s layout backend: the backend wrapped in the shared training loop or rollout engine."""
+    info = backend(init.layout.backend)
+    impl = info.load()(init)
+    return TrainEngine(impl) if info.role == "trainer" else RolloutEngine(impl, init)
+
+
 @ray.remote
 class Worker:
     """One device's process: a rank of its pool's world and its engines."""
 
-    def __init__(self, group: str, rank: int, world: int, threads: int) -> None:
+    def __init__(self, group: str, rank: int, world: int, threads: int, timeout_s: float) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         torch.set_num_threads(threads)
-        self.group, self.rank, self.world = group, rank, world
-        self.engines: dict[str, Any] = {}
-        self.tokenizer: Any = None
+        self.group, self.rank, self.world, self.timeout = group, rank, world, timeout_s
+        self.engines: dict[EngineKey, Any] = {}
+        self._ops: dict[Op, Callable[..., tuple[Any, dict[str, Any]]]] = {
+            Op.GENERATE: self._generate,
+            Op.LOGPROBS: self._forward,
+            Op.VALUES: self._forward,
+            Op.SCORE: self._forward,
+            Op.UPDATE: self._update,
+        }
 
     # ----------------------------------------------------------------- setup
     def where(self) -> dict[str, Any]:
@@ -48,95 +68,74 @@ class Worker:
     def port(self) -> int:
         return free_port()
 
-    def init_dist(self, master: str, port: int, backend: str, timeout_s: float) -> bool:
+    def init_dist(self, master: str, port: int, backend_name: str) -> bool:
         import torch.distributed as dist
 
         if self.world == 1:
             return True
         dist.init_process_group(
-            backend,
+            backend_name,
             init_method=f"tcp://{master}:{port}",
             rank=self.rank,
             world_size=self.world,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=self.timeout),
         )
         return True
 
-    def add_engine(self, key: str, kind: str, engine: str, source: str, layout: Any, options: dict[str, Any]) -> str:
-        from flowc.runtime.engines import ForwardEngine, RolloutEngine, TrainEngine
+    def add_engine(self, key: EngineKey, init: EngineInit) -> str:
+        self.engines[key] = make_engine(init)
+        return str(key)
 
-        role = key.split("/")[0]
-        dtype = getattr(torch, options["dtype"])
-        seed = options["seed"]
-        if engine in ("train", "forward") and layout.backend == "megatron":
-            from flowc.runtime.megatron_engine import MegatronEngine
-
-            optim = options["optim"] if engine == "train" else None
-            self.engines[key] = MegatronEngine(
-                role=role, kind=kind, source=source, layout=layout, dtype=dtype, seed=seed, optim=optim
-            )
-        elif engine == "train":
-            self.engines[key] = TrainEngine(
-                role=role, kind=kind, source=source, layout=layout, optim=options["optim"], dtype=dtype, seed=seed
-            )
-        elif engine == "forward":
-            self.engines[key] = ForwardEngine(role=role, kind=kind, source=source, layout=layout, dtype=dtype, seed=seed)
-        elif layout.backend == "vllm":
-            from flowc.runtime.vllm_rollout import VllmRolloutEngine
-
-            self.engines[key] = VllmRolloutEngine(
-                role=role,
-                source=source,
-                dtype=dtype,
-                tokenizer=options["tokenizer"],
-                seed=seed,
-                tp=layout.tp,
-                max_model_len=options["max_model_len"],
-                sleep_between=options.get("colocated", False),
-            )
-        else:
-            self.engines[key] = RolloutEngine(role=role, source=source, dtype=dtype, tokenizer=options["tokenizer"], seed=seed)
-        return key
+    def describe(self) -> dict[str, Any]:
+        """What this worker actually runs: its engines as built, its threads and timeout."""
+        return {
+            "threads": torch.get_num_threads(),
+            "timeout_s": self.timeout,
+            "engines": {str(k): e.describe() for k, e in self.engines.items()},
+        }
 
     # ------------------------------------------------------------------ ops
     def _fetch(self, pieces: list[Piece]) -> Any:
-        return assemble(pieces, lambda refs: ray.get(list(refs), timeout=600))
+        return assemble(pieces, lambda refs: ray.get(list(refs), timeout=self.timeout))
 
-    def run(self, key: str, method: str, inputs: dict[str, list[Piece]], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """Run ``method`` of engine ``key`` on this rank's rows; returns the
-        bulk result (kept in the object store) and small metadata."""
+    def run(self, key: EngineKey, op: Op, inputs: dict[str, list[Piece]], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """Run ``op`` on engine ``key`` over this rank's rows; returns the bulk result
+        (kept in the object store) and small metadata."""
         t0 = time.perf_counter()
-        eng = self.engines[key]
+        try:
+            handler = self._ops[Op(op)]
+        except (KeyError, ValueError):
+            raise RuntimeFailure(f"a worker cannot run op {op!r}") from None
         values = {name: self._fetch(p) for name, p in inputs.items()}
-        meta: dict[str, Any] = {}
-        bulk: Any = None
-        if method == "generate":
-            r, texts = eng.generate(
-                values["prompts"],
-                n=args["n"],
-                sp=args["sampling"],
-                max_tokens=args["max_tokens"],
-                step=args["step"],
-                rank=self.rank,
-            )
-            bulk, meta["texts"] = r, texts
-            meta["tokens"] = int(r.response_mask.sum())
-            meta["slept"] = eng.sleep()  # free the KV cache for training (vLLM on CUDA)
-        elif method in ("logprobs", "values", "score"):
-            bulk = eng.forward(values["rollout"], args["micro"])
-        elif method == "update":
-            r = values.pop("rollout")
-            meta["stats"] = eng.update(r, values, **args)
-        else:
-            raise RuntimeFailure(f"unknown engine method {method!r}")
+        bulk, meta = handler(self.engines[key], values, args)
         meta["seconds"] = time.perf_counter() - t0
         if torch.cuda.is_available():  # the whole device's use (vLLM's own allocations included)
             free, total = torch.cuda.mem_get_info()
             meta["device_gb"] = (total - free) / 1e9
         return bulk, meta
 
+    def _generate(self, eng: RolloutEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        r, texts = eng.generate(
+            values["prompts"],
+            n=args["n"],
+            sp=args["sampling"],
+            max_tokens=args["max_tokens"],
+            step=args["step"],
+            round_=args.get("round", 0),
+            row_offset=args["row_offset"],
+        )
+        meta = {"texts": texts, "tokens": int(r.response_mask.sum()), "slept": eng.sleep()}  # free the KV cache (vLLM on CUDA)
+        return r, meta
+
+    def _forward(self, eng: TrainEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return eng.forward(values["rollout"], args["micro"]), {}
+
+    def _update(self, eng: TrainEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        r = values.pop("rollout")
+        return None, {"stats": eng.update(r, values, **args)}
+
     # ----------------------------------------------------------------- sync
-    def sync_local(self, src: str, dst: str) -> dict[str, float]:
+    def sync_local(self, src: EngineKey, dst: EngineKey) -> dict[str, float]:
         """Co-located weight sync: the trained weights stream out of the training
         engine (a collective: every rank iterates) into this rank's rollout engine."""
         t0 = time.perf_counter()
@@ -146,7 +145,7 @@ class Worker:
         _drain(stream)  # a rank without a rollout engine still takes part in the collectives
         return {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0}
 
-    def export_weights(self, src: str, bucket_bytes: float) -> tuple[list[Any], dict[str, float]]:
+    def export_weights(self, src: EngineKey, bucket_bytes: float) -> tuple[list[Any], dict[str, float]]:
         """Separate pools: the weights stream out of the training engine (every
         rank takes part); rank 0 puts them in the object store in buckets."""
         t0 = time.perf_counter()
@@ -156,29 +155,31 @@ class Worker:
         _drain(stream)  # the other ranks take part in the collectives only
         return refs, {"bytes": eng.last_received, "seconds": time.perf_counter() - t0}
 
-    def import_weights(self, dst: str, refs: list[Any]) -> dict[str, float]:
+    def import_weights(self, dst: EngineKey, refs: list[Any]) -> dict[str, float]:
         """Separate pools: the buckets, fetched one after another, feed one reload."""
         t0 = time.perf_counter()
-        stream = (pair for ref in refs for pair in ray.get(ref, timeout=600).items())
+        stream = (pair for ref in refs for pair in ray.get(ref, timeout=self.timeout).items())
         received = self.engines[dst].load(stream)
-        return {"bytes": received, "seconds": time.perf_counter() - t0}
+        return {"bytes": received, "buckets": len(refs), "seconds": time.perf_counter() - t0}
 
-    def rollout_logprobs(self, key: str, inputs: dict[str, list[Piece]]) -> Any:
+    def rollout_logprobs(self, key: EngineKey, inputs: dict[str, list[Piece]]) -> Any:
         return self.engines[key].logprobs(self._fetch(inputs["rollout"]))
 
     # ----------------------------------------------------------- checkpoint
-    def save(self, key: str, path: str) -> str:
+    def _state_file(self, key: EngineKey, path: str) -> str:
+        return os.path.join(path, f"{key.role}.{key.kind}.rank{self.rank}.pt")
+
+    def save(self, key: EngineKey, path: str) -> str:
         os.makedirs(path, exist_ok=True)
-        f = os.path.join(path, f"{key.replace('/', '.')}.rank{self.rank}.pt")
+        f = self._state_file(key, path)
         torch.save(self.engines[key].state(), f)
         return f
 
-    def load(self, key: str, path: str) -> bool:
-        f = os.path.join(path, f"{key.replace('/', '.')}.rank{self.rank}.pt")
-        self.engines[key].load_state(torch.load(f, weights_only=False))
+    def load(self, key: EngineKey, path: str) -> bool:
+        self.engines[key].load_state(torch.load(self._state_file(key, path), weights_only=False))
         return True
 
-    def export_hf(self, key: str, path: str, tokenizer: str | None) -> bool:
+    def export_hf(self, key: EngineKey, path: str, tokenizer: str | None) -> bool:
         self.engines[key].export_hf(path, tokenizer)
         return True
 
@@ -216,7 +217,7 @@ class WorkerGroup:
                 num_gpus=1 if gpus else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
                 name=f"flowc-{name}-{i}-{os.getpid()}",
-            ).remote(name, i, size, threads)
+            ).remote(name, i, size, threads, timeout_s)
             for i in range(size)
         ]
 

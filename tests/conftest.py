@@ -1,4 +1,4 @@
-"""Shared fixtures.
+"""Shared fixtures; the whole suite runs the pass manager with verification after every pass.
 
 ``flow_file`` writes a flow to a temporary file that tests load the way the
 CLI does, so error locations point at real lines.
@@ -6,10 +6,13 @@ CLI does, so error locations point at real lines.
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("FLOWC_VERIFY_EACH", "1")  # passes.manager: re-verify the graph and plan after every pass
 
 
 @pytest.fixture

@@ -1,9 +1,10 @@
 """Helpers shared by the tests (importable as ``helpers``: pytest puts
 tests/ on sys.path).
 
-Golden files live in ``tests/golden``; run ``FLOWC_UPDATE_GOLDEN=1 pytest
-tests/unit/test_golden.py`` to rewrite them after an intended change, then
-review the diff.
+Golden files live in ``tests/golden``: graphs (``tests/unit/test_ir.py``) and
+plans (``tests/unit/test_planner.py``). Run ``FLOWC_UPDATE_GOLDEN=1 pytest
+tests/unit/test_ir.py tests/unit/test_planner.py -k golden`` to rewrite them
+after an intended change, then review the diff.
 """
 
 from __future__ import annotations

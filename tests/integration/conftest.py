@@ -24,12 +24,23 @@ def vllm_worker(ray_cluster):
     each loads the weights it needs first. vLLM lives in the worker, never in
     the test process."""
     from flowc.ir.plan import Layout
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.program import EngineKey, EngineKind
     from flowc.runtime.worker import Worker
     from flowc.tasks import arithmetic as arith
 
     src = str(arith.asset_dir())
-    w = Worker.options(num_cpus=1, name="flowc-test-vllm").remote("vllm-test", 0, 1, 1)
-    options = {"dtype": "float32", "seed": 0, "tokenizer": src, "max_model_len": 512, "colocated": False}
-    ray_cluster.get(w.add_engine.remote("actor/rollout", "policy", "rollout", src, Layout(backend="vllm"), options), timeout=600)
+    w = Worker.options(num_cpus=1, name="flowc-test-vllm").remote("vllm-test", 0, 1, 1, 600.0)
+    init = EngineInit(
+        role="actor",
+        kind="policy",
+        source=src,
+        layout=Layout(backend="vllm"),
+        dtype="float32",
+        seed=0,
+        tokenizer=src,
+        max_model_len=512,
+    )
+    ray_cluster.get(w.add_engine.remote(EngineKey("actor", EngineKind.ROLLOUT), init), timeout=600)
     yield w
     ray_cluster.kill(w)

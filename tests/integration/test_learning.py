@@ -18,7 +18,7 @@ from helpers import request
 
 from flowc.ir.run_config import RunConfig
 from flowc.run import BUILTIN_WORKLOAD, run
-from flowc.runtime.vllm_rollout import vllm_available
+from flowc.runtime.backends import BACKENDS
 
 # as bench/algorithms.py runs them: one sample per prompt needs more prompts per step
 WORKLOADS = {"ppo_rlvr": "prompts=256,prompt_len=8,response_len=6"}
@@ -53,7 +53,7 @@ def test_the_flow_raises_held_out_accuracy(ray_cluster, tmp_path, flow):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+@pytest.mark.skipif(not BACKENDS["vllm"].installed(), reason="vLLM is not installed")
 def test_grpo_learns_with_the_vllm_rollout_backend(ray_cluster, tmp_path):
     steps = 200  # measured with vLLM generating: +9.3 points (hf: +7.5)
     before, after = _gain(_run(tmp_path, "grpo", steps, rollout="vllm"), steps)

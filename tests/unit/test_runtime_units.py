@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
 from helpers import EXAMPLES
 
-from flowc.errors import DataError, PlanError
+from flowc.errors import DataError, IRError, PlanError, VerificationError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.models import ModelSpec
+from flowc.ir.ops import Op
 from flowc.ir.plan import Plan
+from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
-from flowc.passes.pins import pins_from_plan
+from flowc.passes.pins import Pins, parse_pins, pins_from_plan
 from flowc.passes.pipeline import make_plan
+from flowc.planning import run_target, runtime_pins
 from flowc.runtime.batches import Sharded, cat_rows, even_split, repeat_rows, slice_rows
 from flowc.runtime.data import Records, call_reward, tokenize_prompts
 from flowc.runtime.program import lower
@@ -22,48 +28,110 @@ from flowc.runtime.sampling import process_logits
 from flowc.tasks import arithmetic as arith
 
 
-def planned(flow: str, cluster: str = "1x8xH100", model: str = "qwen2.5-7b"):
+def planned(flow: str, cluster: str = "1x8xH100", model: str = "qwen2.5-7b", pins: Pins | None = None):
+    """A plan within what the runtime executes (as flowc run plans)."""
     g = load_flow(str(EXAMPLES / f"{flow}.py")).trace()
     m = ModelSpec.resolve(model)
+    cl = ClusterSpec.parse(cluster)
     plan, pg, _ = make_plan(
-        g, {r: m for r, i in g.roles.items() if i.kind != "reward"}, ClusterSpec.parse(cluster), WorkloadSpec(prompts=64)
+        g,
+        {r: m for r, i in g.roles.items() if i.kind != "reward"},
+        cl,
+        WorkloadSpec(prompts=64),
+        runtime_pins(cl.profile.kind).merged(pins or Pins()),
+        target=run_target(cl, RunConfig(), None, here=False),
     )
     return g, plan, pg
 
 
 def test_lowering_lists_groups_engines_and_steps():
     _, plan, pg = planned("ppo", "2x8xH100")
-    prog = lower(plan, pg)
+    prog = lower(plan)
+    assert prog.graph == pg and prog.target == plan.target and prog.workload.prompts == 64
     ops = [s.op for s in prog.steps]
     assert ops.count("update") == 2 and "weight_sync" in ops and ops[0] == "input"
     assert sum(gr.size for gr in prog.groups) == 16
-    engines = {(e.role, e.engine) for gr in prog.groups for e in gr.engines}
+    engines = {(e.role, e.key.kind) for gr in prog.groups for e in gr.engines}
     assert {("actor", "train"), ("actor", "rollout"), ("critic", "train"), ("ref", "forward"), ("rm", "forward")} <= engines
     for s in prog.steps:
         assert (s.group is None) == (s.op in ("input", "reward", "compute"))
+        assert (s.engine is None) == (s.group is None)
+    (sync,) = prog.steps_of(Op.WEIGHT_SYNC)
+    r = plan.generation_sync("actor")
+    assert sync.args["method"] == r.method and sync.args["bytes_predicted"] == r.bytes_per_device
     text = str(prog)
-    assert "program ppo" in text and "weight_sync" in text
+    assert "program ppo" in text and "weight_sync" in text and "target gpu bfloat16 nccl" in text
 
 
 def test_saved_plan_relowers_to_the_same_program():
-    g, plan, pg = planned("grpo")
+    g, plan, _pg = planned("grpo")
     again = Plan.from_json(plan.to_json())
     assert again == plan
     # a saved plan, re-planned with its decisions pinned, lowers to the same program
-    replan, pg2, _ = make_plan(
+    replan, _pg2, _ = make_plan(
         g,
         {r: ModelSpec.resolve("qwen2.5-7b") for r in ("actor", "ref")},
         ClusterSpec.parse("1x8xH100"),
         WorkloadSpec(prompts=64),
         pins_from_plan(again),
+        target=again.target,
     )
-    assert str(lower(again, pg2)) == str(lower(plan, pg)) == str(lower(replan, pg2))
+    assert str(lower(again)) == str(lower(plan)) == str(lower(replan))
 
 
-def test_lowering_needs_the_planned_graph():
-    g, plan, _ = planned("grpo")
-    with pytest.raises(PlanError, match="planned graph"):
-        lower(plan, g)
+def test_lowering_verifies_the_plan_and_refuses_what_the_runtime_does_not_execute():
+    """lower() runs the plan's verifier and checks every decision against the backend registry:
+    a decision it cannot honour fails up front, naming it, instead of running something else."""
+    _, plan, _ = planned("grpo", "2x8xH100", pins=parse_pins(["colocate=actor.train,ref;actor.gen"]))
+    d = json.loads(plan.to_json())
+    assert plan.generation_sync("actor").method == "broadcast"
+
+    def edited(change) -> Plan:
+        x = copy.deepcopy(d)
+        change(x)
+        return Plan.model_validate(x)
+
+    def p2p(x):  # the planner's unrestricted choice for separate pools: not implemented by the runtime
+        x["reshards"][0]["method"] = "p2p"
+        next(n for n in x["graph"]["nodes"] if n["op"] == "weight_sync")["kwargs"]["method"] = "p2p"
+
+    with pytest.raises(PlanError, match="does not implement"):
+        lower(edited(p2p))
+
+    def gen_pp(x):
+        for ph in ("generate",):
+            lay = x["roles"]["actor"]["phases"][ph]
+            lay["pp"], lay["dp"], lay["layout"]["pp"], lay["layout"]["dp"] = 2, lay["dp"] // 2, 2, lay["layout"]["dp"] // 2
+
+    with pytest.raises(PlanError, match="pp=1"):
+        lower(edited(gen_pp))
+
+    def fsdp_tp(x):
+        lay = x["roles"]["ref"]["phases"]["forward"]
+        lay["layout"].update(backend="fsdp2", tp=2, dp=lay["dp"] // 2, pp=1, fsdp=True)
+        lay.update(tp=2, dp=lay["dp"] // 2, pp=1)
+
+    with pytest.raises(PlanError, match="fsdp2 backend executes"):
+        lower(edited(fsdp_tp))
+
+    def gen_on_trainer(x):
+        x["roles"]["actor"]["phases"]["generate"]["layout"]["backend"] = "fsdp2"
+
+    with pytest.raises(PlanError, match="needs a rollout backend"):
+        lower(edited(gen_on_trainer))
+
+    def unsynced(x):  # the traced graph instead of the planned one: a trained policy without its weight_sync
+        x["graph"]["nodes"] = [n for n in x["graph"]["nodes"] if n["op"] != "weight_sync"]
+        x["graph"]["edges"] = [e for e in x["graph"]["edges"] if e["src"] != "actor.weight_sync"]
+
+    with pytest.raises(IRError):
+        lower(edited(unsynced))
+
+    def degrees(x):
+        x["roles"]["ref"]["phases"]["forward"]["layout"]["dp"] += 1
+
+    with pytest.raises(VerificationError, match="degrees"):
+        lower(edited(degrees))
 
 
 def test_rows_slice_join_repeat():
@@ -150,35 +218,36 @@ def test_minibatches_never_split_a_pair():
         assert all(lo % 2 == 0 and hi % 2 == 0 for per in ranges for lo, hi in per)
 
 
-def test_the_rollout_backend_is_vllm_where_installed_and_rollout_overrides(monkeypatch):
+def test_the_rollout_backend_comes_from_the_registry_and_rollout_overrides(monkeypatch):
+    """The planner chooses among the rollout backends of the target (installed here, in the
+    registry's order of preference); --rollout narrows it to one; the plan records the choice."""
     import importlib.util
 
     from flowc.errors import SpecError
-    from flowc.loader import load_flow
-    from flowc.run import rollout_backend, runtime_pins
-    from flowc.runtime.vllm_rollout import request_seed
+    from flowc.runtime.backends.rollout import request_seed
 
     real = importlib.util.find_spec
 
     def without_vllm(name, *a):
         return None if name == "vllm" else real(name, *a)
 
-    g = load_flow(str(EXAMPLES / "grpo.py")).trace()
+    cpu, gpu, cfg = ClusterSpec.parse("local:2"), ClusterSpec.parse("8xH100"), RunConfig()
     monkeypatch.setattr(importlib.util, "find_spec", without_vllm)
-    assert rollout_backend(None, "cpu") == "hf"
-    assert rollout_backend(None, "H100") == "vllm"  # GPUs always generate with vLLM
+    assert run_target(cpu, cfg, None).rollout_backends == ("hf",)
+    assert run_target(gpu, cfg, None, here=False).rollout_backends == ("vllm", "hf")  # a cluster elsewhere: every backend
     with pytest.raises(SpecError, match="not installed"):
-        rollout_backend("vllm", "cpu")
+        run_target(cpu, cfg, "vllm")
     with pytest.raises(SpecError, match="not a rollout backend"):
-        rollout_backend("sglang", "cpu")
+        run_target(cpu, cfg, "sglang")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
-    assert rollout_backend(None, "cpu") == "vllm"
-    assert rollout_backend("hf", "cpu") == "hf"
-    pins = runtime_pins(g, None, "cpu").roles["actor"]["generate"]
-    assert pins.backend == "vllm" and pins.tp == 1  # vLLM on CPU: replicas only
-    assert runtime_pins(g, None, "H100").roles["actor"]["generate"].tp is None  # on GPUs the planner picks tp
-    # per-request seeds: stable, and different for every sample of every row
-    seeds = {request_seed(0, 3, r, i, j) for r in range(2) for i in range(16) for j in range(8)}
+    assert run_target(cpu, cfg, None).rollout_backends == ("vllm", "hf")
+    assert run_target(cpu, cfg, "hf").rollout_backends == ("hf",)
+    pins = runtime_pins("cpu")
+    assert pins.limits["vllm"].tp == 1 and pins.limits["fsdp2"].tp == 1  # vLLM on CPU: replicas only
+    assert "megatron" not in pins.backends  # Megatron's optimizer needs CUDA
+    assert runtime_pins("gpu").limits["vllm"].tp is None and "megatron" in runtime_pins("gpu").backends
+    # per-sample seeds: stable, and different for every sample of every row of every round
+    seeds = {request_seed(0, 3, k, i, j) for k in range(2) for i in range(16) for j in range(8)}
     assert len(seeds) == 2 * 16 * 8 and request_seed(0, 3, 1, 2, 3) == request_seed(0, 3, 1, 2, 3)
 
 
@@ -198,8 +267,7 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     from flowc.ir.workload import WorkloadSpec
     from flowc.loader import load_flow
     from flowc.passes.pipeline import make_plan
-    from flowc.run import runtime_pins
-    from flowc.runtime.megatron_engine import check_layout
+    from flowc.runtime.backends.megatron import check_layout
     from flowc.runtime.megatron_weights import megatron_spec
     from flowc.runtime.program import lower
     from flowc.runtime.ranks import output_ranks, replica_of
@@ -209,7 +277,7 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     specs = {r: ModelSpec.resolve(name) for r in models}
     cl, wl = ClusterSpec.parse(cluster), WorkloadSpec()
     free, _, _ = make_plan(g, specs, cl, wl, None)
-    plan, planned, _ = make_plan(g, specs, cl, wl, runtime_pins(g, "vllm", cl.device))
+    plan, _planned, _ = make_plan(g, specs, cl, wl, runtime_pins("gpu"), target=run_target(cl, RunConfig(), None, here=False))
     for p in (free, plan):
         assert p.roles["actor"].phases["train"].layout.backend == "megatron"
 
@@ -222,11 +290,11 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     from flowc.ir.models import catalogue
 
     arch = megatron_spec(catalogue()[name])
-    program = lower(plan, planned)
+    program = lower(plan)
     seen = 0
     for group in program.groups:
         for e in group.engines:
-            if e.backend != "megatron":
+            if e.layout.backend != "megatron":
                 continue
             seen += 1
             check_layout(arch, e.layout, group.size)
@@ -234,3 +302,64 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
             assert sorted(set(replicas)) == list(range(e.layout.dp))
             assert all(replicas[r] == i for i, r in enumerate(output_ranks(e.layout)))
     assert seen >= 2
+
+
+def _node(gpus: int = 0, kind: str | None = None, cpus: int = 16, alive: bool = True) -> dict:
+    res = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **({f"accelerator_type:{kind}": 1} if kind else {})}
+    return {"Alive": alive, "Resources": res}
+
+
+def test_a_ray_clusters_gpu_type_is_read_never_assumed():
+    """GPU nodes are counted (a CPU-only head holds none), their type is Ray's accelerator type or
+    --device; an unknown or undetected type is refused with the fix, never planned as an H100."""
+    from flowc.clusters import cluster_of
+    from flowc.errors import SpecError
+
+    head = _node(cpus=8)
+    c, gpus = cluster_of([head, _node(8, "H200"), _node(8, "H200"), _node(8, "H200", alive=False)], "ray://x")
+    assert gpus and (c.device, c.nodes, c.devices_per_node) == ("H200", 2, 8)
+    assert cluster_of([_node(8, "A100")], "x")[0].device == "A100-80GB"
+    with pytest.raises(SpecError, match="did not detect") as e:
+        cluster_of([head, _node(4)], "x")
+    assert "--device" in e.value.fix
+    assert cluster_of([head, _node(4)], "x", device="H20")[0].device == "H20"
+    with pytest.raises(SpecError, match="mixes GPU types"):
+        cluster_of([_node(8, "H100"), _node(8, "H200")], "x")
+    with pytest.raises(SpecError, match="no hardware profile"):
+        cluster_of([_node(8, "L4")], "x")
+    c, gpus = cluster_of([_node(cpus=4), _node(cpus=8)], "x")
+    assert not gpus and (c.device, c.nodes, c.devices_per_node) == ("cpu", 2, 4)
+    with pytest.raises(SpecError, match="no GPUs"):
+        cluster_of([_node(cpus=4)], "x", device="H100")
+    with pytest.raises(SpecError, match="no live nodes"):
+        cluster_of([_node(8, "H100", alive=False)], "x")
+
+
+def test_hf_samples_are_a_function_of_each_rows_seed():
+    """The hf backend draws token t of row k from a uniform that hashes (seeds[k], t): a row samples
+    the same tokens whatever rows share its batch (so on any number of replicas), as vLLM's
+    per-request seeds do; the uniforms are uniform."""
+    from flowc.runtime.modeling import load_causal_lm
+    from flowc.runtime.sampling import sample, uniforms
+
+    m = load_causal_lm(str(arith.asset_dir())).eval()
+    ids = torch.randint(3, 16, (8, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    seeds = torch.arange(100, 108)
+    sp = SamplingParams(temperature=1.5)
+
+    def draw(rows, s):
+        return sample(m, ids[rows], mask[rows], sp, max_tokens=6, eos_id=2, pad_id=0, seeds=s).response_ids
+
+    whole = draw(slice(0, 8), seeds)
+    assert torch.equal(torch.cat([draw(slice(0, 3), seeds[:3]), draw(slice(3, 8), seeds[3:])]), whole)
+    other = seeds.clone()
+    other[5] = 999
+    changed = draw(slice(0, 8), other)
+    same = [i for i in range(8) if torch.equal(changed[i], whole[i])]
+    assert set(same) >= set(range(8)) - {5}
+    u = uniforms(torch.arange(20_000), 3)
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    chi2 = float(((counts - 2000) ** 2 / 2000).sum())
+    assert chi2 < 30  # 9 degrees of freedom: p ≈ 0.0005 at 30

@@ -11,9 +11,9 @@ data-parallel replica the same rows and keeps the output of one rank
 
 Training uses Megatron's DistributedDataParallel and distributed optimizer
 (Adam, gradient clipping) and its forward-backward schedules (1F1B when
-pp > 1); the objective is the same function the ``fsdp2`` backend uses
-(``engines.objective``), on log-probabilities taken over the vocabulary as tp
-splits it. Megatron's optimizer and schedules allocate CUDA tensors, so this
+pp > 1) to run the micro-batches the shared loop (``backends.training``)
+gives it, under the loop's objective, on log-probabilities taken over the
+vocabulary as tp splits it. Megatron's optimizer and schedules allocate CUDA tensors, so this
 backend needs GPUs; its model, tensor parallelism and weight mapping also run
 on CPU under the test shim (``tests/megatron_cpu.py``), which is how CI checks
 them.
@@ -26,7 +26,6 @@ more than one whole parameter beyond what it already has), and the consumer
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,12 +34,12 @@ import torch.distributed as dist
 
 from flowc.errors import DataError, SpecError
 from flowc.ir.functional import Rollout
-from flowc.ir.losses import PREFERENCE_LOSSES, denominator_kind
 from flowc.ir.models import ModelSpec
+from flowc.ir.ops import LM_KINDS
 from flowc.ir.plan import Layout
 from flowc.ir.run_config import OptimConfig
-from flowc.runtime.batches import num_rows, slice_rows
-from flowc.runtime.engines import _chunk_ranges, _chunks, _pad_right, compute_device, minibatch_bounds, objective, to_device, trim
+from flowc.runtime.backends import EngineInit, MicroFn
+from flowc.runtime.backends.collectives import allreduce, compute_device, to_device
 from flowc.runtime.megatron_model import at_responses, build_model, pack, vocab_parallel_logprobs
 from flowc.runtime.megatron_weights import (
     Degrees,
@@ -52,6 +51,7 @@ from flowc.runtime.megatron_weights import (
     shard_shape,
     to_megatron,
 )
+from flowc.runtime.modeling import save_hf
 
 # Megatron keeps its parallel state (process groups, ranks) in module globals of
 # ``megatron.core.parallel_state``. Roles a plan co-locates may use different
@@ -147,36 +147,29 @@ def init_parallel(layout: Layout, seed: int) -> tuple[tuple[int, ...], Degrees]:
     )
 
 
-class MegatronEngine:
-    """A role on Megatron-core: trained (``optim`` given) or frozen (reference, reward)."""
+class MegatronTrainer:
+    """A role on Megatron-core: trained (``init.optim`` set) or frozen (reference, reward model)."""
 
-    def __init__(
-        self,
-        *,
-        role: str,
-        kind: str,
-        source: str,
-        layout: Layout,
-        dtype: torch.dtype,
-        seed: int,
-        optim: OptimConfig | None = None,
-    ) -> None:
+    def __init__(self, init: EngineInit) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
         self.device = _device()
-        self.role, self.kind, self.layout, self.source_dir, self.optim_cfg = role, kind, layout, source, optim
+        self.init = init
+        layout, source, optim = init.layout, init.source, init.optim
         self.hf = AutoConfig.from_pretrained(source)
         self.arch = megatron_spec(self.hf)
-        self.key, self.deg = init_parallel(layout, seed)
-        self.critic = kind not in ("policy", "reference")  # a value head: critic, reward model
-        model = build_model(self.hf, self.arch, self.deg, dtype=dtype, value_head=self.critic, cuda=torch.cuda.is_available())
+        self.key, self.deg = init_parallel(layout, init.seed)
+        self.critic = init.kind not in LM_KINDS  # a value head: critic, reward model
+        model = build_model(
+            self.hf, self.arch, self.deg, dtype=init.torch_dtype, value_head=self.critic, cuda=torch.cuda.is_available()
+        )
         state = to_megatron(HFCheckpoint(source), self.arch, self.deg, lm_head=not self.critic)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith("output_layer.linear")]
         if missing or unexpected:
             raise DataError(
-                f"{role}: Megatron weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+                f"{init.role}: Megatron weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
             )
         # a frozen role with offloaded weights keeps them in host memory between its ops
         self.resident = optim is not None or not layout.offload_params
@@ -189,10 +182,9 @@ class MegatronEngine:
         coords: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(coords, (self.deg.tp_rank, self.deg.pp_rank, self.deg.ep_rank))
         self.coords = coords
-        self.updates = 0
         self.last_received = 0.0
         if optim is not None:
-            self._make_trainable(optim, dtype)
+            self._make_trainable(optim, init.torch_dtype)
         else:
             self.model.eval()
 
@@ -220,19 +212,13 @@ class MegatronEngine:
                 fp16=dtype == torch.float16,
                 params_dtype=dtype,
                 use_distributed_optimizer=True,
-                optimizer_cpu_offload=self.layout.offload_optimizer,  # Adam's state and step on the host
+                optimizer_cpu_offload=self.init.layout.offload_optimizer,  # Adam's state and step on the host
             ),
             [self.model],
         )
         self.model.train()
 
     # ------------------------------------------------------------ the model
-    def _lr(self) -> float:
-        cfg = self.optim_cfg
-        assert cfg is not None
-        warm = max(cfg.warmup_steps, 0)
-        return cfg.lr * (min(1.0, (self.updates + 1) / warm) if warm else 1.0)
-
     def score(self, output: torch.Tensor, part: Rollout, packed: Any, *, with_entropy: bool = False) -> Any:
         """The last stage's outputs at the response positions: log-probabilities
         (and entropy) for a policy or reference, values for a critic or reward model."""
@@ -242,28 +228,62 @@ class MegatronEngine:
             return out.squeeze(-1).float()
         return vocab_parallel_logprobs(out, part.response_ids.to(out.device), self.arch.vocab_size, with_entropy=with_entropy)
 
-    def _run(self, parts: list[Rollout], loss_fn: Any, *, forward_only: bool) -> list[dict[str, Any]]:
-        """Megatron's schedule over the micro-batches ``parts``; ``loss_fn(part,
+    # ------------------------------------------------------------ the loop's
+    def agree(self, count: int) -> int:
+        # every rank of the pool: expert parallelism exchanges tokens across replicas
+        return int(allreduce(float(count), "max"))
+
+    def dp_sum(self, x: float) -> float:
+        return allreduce(x, group=self.dp_group)
+
+    def run(self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool) -> list[dict[str, Any]] | None:
+        """Megatron's schedule over the micro-batches; ``fn`` runs on the last stage. Megatron
+        divides each loss by the micro-batch count and averages gradients over the replicas,
+        so the objective is scaled back by both."""
+        activate(self.key)
+        scale = float(len(parts) * self.dp)
+
+        def on_last_stage(i: int, part: Rollout, packed: Any, output: torch.Tensor):
+            p = to_device(part, output.device)
+            obj, st = fn(i, p, lambda e: self.score(output, p, packed, with_entropy=e))
+            if not train:
+                return output.new_zeros(()), st
+            return obj * (scale if rows[i] else 0.0), st
+
+        if train:
+            return self._schedule(parts, on_last_stage, forward_only=False)
+        self.model.eval()
+        if not self.resident:
+            self.model.to(self.device)  # swapped in for the op
+        got = self._schedule(parts, on_last_stage, forward_only=True)
+        if not self.resident:
+            self.model.to("cpu")
+        if self.init.optim is not None:
+            self.model.train()
+        return got if self.is_output else None
+
+    def _schedule(self, parts: list[Rollout], loss_fn: Any, *, forward_only: bool) -> list[dict[str, Any]]:
+        """Megatron's schedule over the micro-batches ``parts``; ``loss_fn(i, part,
         packed, output)`` runs on the last stage and returns (loss, stats)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         packs = [pack(p.prompt_ids, p.prompt_mask, p.response_ids) for p in parts]
-        items = iter(list(zip(parts, packs, strict=True)))
         dev = self.device
         if forward_only and self.deg.pp == 1:  # no pipeline: the schedule would only loop over micro-batches
             out = []
-            for part, packed in zip(parts, packs, strict=True):
+            for i, (part, packed) in enumerate(zip(parts, packs, strict=True)):
                 s = packed.ids.shape[1]
                 ids = packed.ids.to(dev)
                 pos = torch.arange(s, device=dev).unsqueeze(0).expand_as(ids)
-                out.append(loss_fn(part, packed, self.model(ids, pos, packed.causal.to(dev)))[1])
+                out.append(loss_fn(i, part, packed, self.model(ids, pos, packed.causal.to(dev)))[1])
             return out
 
+        items = iter(list(enumerate(zip(parts, packs, strict=True))))
         # pipeline stages exchange [S, B, H] activations of one fixed shape: pad every micro-batch to it
         shape = (max(p.ids.shape[0] for p in packs), max(p.ids.shape[1] for p in packs))
 
         def step(data: Iterator[Any], model: Any) -> tuple[torch.Tensor, Any]:
-            part, packed = next(data)
+            i, (part, packed) = next(data)
             n, s = packed.ids.shape
             ids = torch.zeros(shape, dtype=packed.ids.dtype)
             ids[:n, :s] = packed.ids
@@ -271,7 +291,7 @@ class MegatronEngine:
             pos = torch.arange(shape[1], device=dev).unsqueeze(0).expand_as(ids)
             causal = torch.ones((1, 1, shape[1], shape[1]), dtype=torch.bool, device=dev).triu(1)
             out = model(ids, pos, causal)
-            return out, lambda o, part=part, packed=packed, n=n: loss_fn(part, packed, o[:n])
+            return out, lambda o, i=i, part=part, packed=packed, n=n: loss_fn(i, part, packed, o[:n])
 
         return get_forward_backward_func()(
             forward_step_func=step,
@@ -283,140 +303,31 @@ class MegatronEngine:
             forward_only=forward_only,
         )
 
-    def _parts(self, r: Rollout, micro: int, unit: int = 1) -> tuple[list[Rollout], list[int]]:
-        """Micro-batches of this replica's rows (the count agreed by every rank,
-        as expert parallelism exchanges tokens across replicas) and their real rows."""
-        rows = num_rows(r)
-        k = _chunks(rows // unit, max(1, micro // unit))
-        parts, real = [], []
-        for lo, hi in _chunk_ranges(rows, k, unit):
-            parts.append(trim(slice_rows(r, lo, hi) if hi > lo else slice_rows(r, 0, unit)))
-            real.append(hi - lo)
-        return parts, real
-
-    # ------------------------------------------------------------- forward
-    @torch.no_grad()
-    def forward(self, r: Rollout, micro: int) -> torch.Tensor | None:
-        """Log-probabilities / values ``[n, R]`` (reward models: scores ``[n]``) of
-        this replica's rows, on its output rank; ``None`` on the others."""
-        activate(self.key)
-        width = r.response_ids.shape[1]
-        parts, real = self._parts(r, micro)
-        self.model.eval()
-        if not self.resident:
-            self.model.to(self.device)  # swapped in for the op
-
-        def keep(part: Rollout, packed: Any, output: torch.Tensor):
-            return output.new_zeros(()), {"out": self.score(output, part, packed).cpu()}
-
-        got = self._run(parts, keep, forward_only=True)
-        if not self.resident:
-            self.model.to("cpu")
-        if self.optim_cfg is not None:
-            self.model.train()
-        if not self.is_output:
-            return None
-        outs = []
-        for n, part, g in zip(real, parts, got, strict=True):
-            out = g["out"][:n]
-            if self.kind not in ("policy", "reference", "critic"):  # a reward model scores a sequence at its last response token
-                last = (part.response_mask[:n].long().sum(-1) - 1).clamp(min=0)
-                outs.append(out.gather(1, last.unsqueeze(-1)).squeeze(-1))
-            else:
-                outs.append(_pad_right(out, width))
-        if not outs:
-            return torch.zeros((0, width)) if self.kind in ("policy", "reference", "critic") else torch.zeros(0)
-        return torch.cat(outs, dim=0)
-
-    # -------------------------------------------------------------- update
-    def update(
-        self,
-        r: Rollout,
-        tensors: dict[str, torch.Tensor],
-        *,
-        loss: Any,
-        kl_coef: float,
-        kl_kind: str,
-        entropy_coef: float,
-        mini_sizes: list[int],
-        epochs: int,
-        micro: int,
-    ) -> dict[str, float]:
-        """Optimizer updates over this replica's rows, mini-batch by mini-batch,
-        as the ``fsdp2`` backend makes them (same objective and normalisation)."""
-        activate(self.key)
+    def share(self, stats: dict[str, float]) -> dict[str, float]:
+        """The last stage computed the statistics; every rank of the replica reports them."""
+        if self.deg.pp == 1:
+            return stats
         from megatron.core import parallel_state as ps
 
-        if self.optim_cfg is None:
-            raise DataError(f"{self.role} is frozen; it has no update")
-        t0 = time.perf_counter()
-        bounds = minibatch_bounds(self.role, mini_sizes, num_rows(r))
-        unit = 2 if isinstance(loss, PREFERENCE_LOSSES) else 1
-        stats: dict[str, float] = {}
-        weight = 0.0
-        norms = []
-        for _epoch in range(epochs):
-            for mlo, mhi in bounds:
-                mb = slice_rows(r, mlo, mhi)
-                ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
-                count_tokens = denominator_kind(loss.agg) == "tokens"
-                local = torch.tensor([float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)], device=self.device)
-                dist.all_reduce(local, group=self.dp_group)  # every row once: replicas hold disjoint rows
-                denom = max(float(local.item()), 1.0)
-                parts, real = self._parts(mb, micro, unit)
-                starts = [0]
-                for n in real:
-                    starts.append(starts[-1] + n)
-                by_part = {id(p): (a, n) for p, a, n in zip(parts, starts, real, strict=False)}
-                scale = float(len(parts) * self.dp)  # Megatron divides by micro-batches and averages over replicas
+        box = [stats]
+        dist.broadcast_object_list(
+            box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+        return dict(box[0])
 
-                def loss_fn(part: Rollout, packed: Any, output: torch.Tensor, ts=ts, denom=denom, scale=scale, by_part=by_part):
-                    a, n = by_part[id(part)]
-                    width = part.response_ids.shape[1]
-                    pt = {k: slice_rows(v, a, a + n) if n else slice_rows(v, 0, unit) for k, v in ts.items()}
-                    pt = {k: (v[:, :width] if v.dim() == 2 else v).to(output.device) for k, v in pt.items()}
-                    dev_part = to_device(part, output.device)
-                    obj, st = objective(
-                        self.kind,
-                        self.role,
-                        dev_part,
-                        pt,
-                        loss,
-                        kl_coef,
-                        kl_kind,
-                        entropy_coef,
-                        denom,
-                        lambda e: self.score(output, dev_part, packed, with_entropy=e),
-                    )
-                    return obj * (scale if n else 0.0), {"stats": st, "rows": float(n)}
+    def zero_grad(self) -> None:
+        activate(self.key)
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad()
 
-                self.model.zero_grad_buffer()
-                self.opt.zero_grad()
-                got = self._run(parts, loss_fn, forward_only=False)
-                for g in self.opt.param_groups:
-                    g["lr"] = self._lr()
-                ok, grad_norm, _ = self.opt.step()
-                if not ok:
-                    raise DataError(f"{self.role}: Megatron's optimizer skipped a step (non-finite gradients)")
-                norms.append(float(grad_norm or 0.0))
-                self.updates += 1
-                for g in got:
-                    for key, val in g["stats"].items():
-                        stats[key] = stats.get(key, 0.0) + val * g["rows"]
-                    weight += g["rows"]
-        out = {k: v / max(weight, 1.0) for k, v in stats.items()}
-        # the last stage computed the statistics; every rank of the replica reports them
-        box = [out]
-        if self.deg.pp > 1:
-            dist.broadcast_object_list(
-                box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
-            )
-        out = dict(box[0])
-        out["grad_norm"] = sum(norms) / max(len(norms), 1)
-        out["lr"] = self._lr()
-        out["updates"] = float(self.updates)
-        out["update_s"] = time.perf_counter() - t0
-        return out
+    def step(self, lr: float) -> float:
+        activate(self.key)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        ok, grad_norm, _ = self.opt.step()
+        if not ok:
+            raise DataError(f"{self.init.role}: Megatron's optimizer skipped a step (non-finite gradients)")
+        return float(grad_norm or 0.0)
 
     # ---------------------------------------------------------------- sync
     def _holder(self, tp_rank: int, pp_rank: int, ep_rank: int | None) -> int:
@@ -471,8 +382,8 @@ class MegatronEngine:
     # ---------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
         activate(self.key)
-        st: dict[str, Any] = {"model": self._module().state_dict(), "updates": self.updates}
-        if self.optim_cfg is not None:
+        st: dict[str, Any] = {"model": self._module().state_dict()}
+        if self.init.optim is not None:
             st["optim"] = self.opt.state_dict()
             st["optim_params"] = self.opt.get_parameter_state_dp_reshardable()
         return st
@@ -480,29 +391,15 @@ class MegatronEngine:
     def load_state(self, state: dict[str, Any]) -> None:
         activate(self.key)
         self._module().load_state_dict(state["model"], strict=False)
-        if self.optim_cfg is not None:
+        if self.init.optim is not None:
             self.opt.load_state_dict(state["optim"])
             self.opt.load_parameter_state_from_dp_reshardable(state["optim_params"])
-        self.updates = state["updates"]
 
-    def export_hf(self, path: str, tokenizer_source: str | None) -> None:
-        """The trained model in HF format (rank 0 writes)."""
-        from flowc.runtime.modeling import load_causal_lm
-
+    def export_hf(self, path: str, tokenizer: str | None) -> None:
         params, _ = self.full_params()
         if dist.get_rank() != 0:
             return
-        lm = load_causal_lm(self.source_dir, dtype=next(iter(params.values())).dtype)
         state = fuse_experts({name: t.cpu() for name, t in params.items()})  # transformers 5's module layout
-        target = lm.model if self.critic else lm
-        if self.critic:
+        if self.critic:  # the value head has no place in the LM; its trunk is the LM's
             state = {k.removeprefix("model."): v for k, v in state.items()}
-        missing, unexpected = target.load_state_dict(state, strict=False)
-        tied = {"lm_head.weight"} if self.arch.tie_word_embeddings else set()
-        if unexpected or set(missing) - tied:
-            raise DataError(f"exporting {self.role}: weights do not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        lm.save_pretrained(path, safe_serialization=True)
-        if tokenizer_source:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(path)
+        save_hf(self.init.source, state, path, tokenizer, trunk=self.critic, what=self.init.role)

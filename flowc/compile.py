@@ -1,0 +1,120 @@
+"""The plan a run executes: compiled for the cluster at hand within what the
+runtime executes, or a saved plan (``--plan``, or the run's own on
+``--resume``) checked against the flow, the models and the options given.
+
+A plan is the whole compiled artifact (its graph, layouts, sync methods and
+target); once it exists nothing here or in the runtime decides anything
+again, so a saved plan runs unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from flowc.errors import SpecError
+from flowc.ir.cluster import ClusterSpec
+from flowc.ir.graph import FlowGraph
+from flowc.ir.models import ModelSpec
+from flowc.ir.ops import Op
+from flowc.ir.plan import Plan
+from flowc.ir.run_config import RunConfig
+from flowc.ir.serialize import to_dict
+from flowc.ir.workload import WorkloadSpec
+from flowc.passes.pins import parse_pins
+from flowc.planning import check_backend_pins, run_target, runtime_pins
+
+
+def compile_plan(
+    g: FlowGraph,
+    sources: dict[str, str],
+    cluster: ClusterSpec,
+    workload: WorkloadSpec,
+    config: RunConfig,
+    *,
+    pin_words: list[str],
+    rollout: str | None,
+    split_local: bool,
+) -> Plan:
+    """Plan ``g`` for ``cluster`` within what the runtime executes. On this machine's
+    CPUs (``split_local``) how many worker processes to split the cores into is a
+    decision too: every split is planned and the fastest kept."""
+    from flowc.passes.pipeline import make_plan
+
+    kind = cluster.profile.kind
+    user = parse_pins(pin_words)
+    check_backend_pins(user, kind)
+    pins = runtime_pins(kind).merged(user)
+    candidates = [cluster]
+    if split_local:
+        cores = os.cpu_count() or 1
+        candidates = [ClusterSpec.local(d) for d in range(1, cores + 1) if cores % d == 0]
+    best: Plan | None = None
+    for c in candidates:
+        target = run_target(c, config, rollout)
+        specs = {r: ModelSpec.resolve(src).model_copy(update={"dtype": target.dtype}) for r, src in sources.items()}
+        plan, _, _ = make_plan(g, specs, c, workload, pins, target=target)
+        if best is None or plan.predicted.step_time_s < best.predicted.step_time_s:
+            best = plan
+    return best
+
+
+def read_plan(path: Path) -> Plan:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"cannot read plan {path}: {e}") from e
+    try:
+        return Plan.from_json(text)
+    except SpecError as e:
+        raise SpecError(f"{path}: {e.what}", fix=e.fix) from None
+    except Exception as e:
+        raise SpecError(f"{path} is not a flowc plan: {e}", fix="give a plan.json written by flowc plan -o or flowc run") from e
+
+
+def check_saved(plan: Plan, g: FlowGraph, sources: dict[str, str], *, what: str) -> None:
+    """``plan`` (named ``what`` in errors) is a plan of this flow, with these hyperparameters and models."""
+    if plan.flow != g.name:
+        raise SpecError(f"{what} is a plan of flow {plan.flow!r}, not {g.name!r}", fix="give the plan of this flow")
+    if _shape(to_dict(g)) != _shape(plan.graph):
+        raise SpecError(
+            f"{what} was planned for another version of flow {g.name!r} (its graph or hyperparameters differ)",
+            fix="plan the flow again (flowc plan … --for-run -o plan.json), or give the hyperparameters it was planned with",
+        )
+    for role, src in sources.items():
+        m, rp = ModelSpec.resolve(src), plan.roles.get(role)
+        if rp is None:
+            continue
+        if (float(f"{m.params_total / 1e9:.6g}"), float(f"{m.params_active / 1e9:.6g}")) != (rp.params_b, rp.active_params_b):
+            raise SpecError(
+                f"{what} plans {role} as {rp.model} ({rp.params_b:g}B parameters), but its model is {src} ({m.params_total / 1e9:g}B)",
+                fix=f"give the model the plan was made for (--model {role}=…), or plan again",
+            )
+
+
+def _shape(graph: dict) -> tuple:
+    """What must match between a traced graph and a plan's: nodes (without the analyses' meta
+    or the planner's weight syncs), roles and hyperparameters."""
+    nodes = [{k: v for k, v in n.items() if k not in ("meta", "line")} for n in graph["nodes"] if n["op"] != str(Op.WEIGHT_SYNC)]
+    return (graph["roles"], graph["hyperparams"], nodes)
+
+
+def saved_conflicts(plan: Plan, *, workload: str | None, pins: list[str], rollout: str | None, config: RunConfig) -> list[str]:
+    """The options given beside a saved plan that contradict a decision in it (the plan wins only when none do)."""
+    out = []
+    if workload is not None and WorkloadSpec.parse(workload).model_dump() != plan.workload:
+        out.append(f"--workload {workload} (the plan's: {WorkloadSpec(**plan.workload).model_dump(exclude_defaults=True)})")
+    if pins:
+        out.append(f"--pin {' '.join(pins)} (a saved plan fixes every decision)")
+    gens = {pp.layout.backend for rp in plan.roles.values() for ph, pp in rp.phases.items() if ph == "generate"}
+    if rollout is not None and gens and gens != {rollout}:
+        out.append(f"--rollout {rollout} (the plan generates with {', '.join(sorted(gens))})")
+    t = plan.target
+    for field, have in (("dtype", t.dtype), ("timeout_s", t.timeout_s), ("cpus_per_worker", t.cpus_per_worker)):
+        if (
+            field in config.model_fields_set
+            and getattr(config, field) != have
+            and not (field == "dtype" and config.dtype == "auto")
+        ):
+            out.append(f"config {field}={getattr(config, field)} (the plan's: {have})")
+    return out

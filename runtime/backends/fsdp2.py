@@ -1,0 +1,204 @@
+"""The ``fsdp2`` training backend: HF models, FSDP2 (or replicated data
+parallelism) over the pool's world.
+
+A policy or reference is the HF causal LM; a critic or reward model is its
+trunk with a scalar head (:class:`~flowc.runtime.modeling.ValueModel`). With
+``layout.fsdp`` every decoder layer and then the root are ``fully_shard``-ed
+over the pool (gloo on CPU, NCCL on GPU); otherwise every rank holds the whole
+model and the gradients are averaged in one flat all-reduce per update.
+Gradients reduce once per update (``set_requires_gradient_sync`` on the last
+micro-batch); each micro-batch's objective is scaled by the world size, as the
+reduction averages over the ranks and the shared loop normalises by the whole
+mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flowc.ir.functional import Rollout
+from flowc.ir.ops import LM_KINDS
+from flowc.ir.plan import Layout
+from flowc.runtime.backends import EngineInit, MicroFn
+from flowc.runtime.backends.collectives import allreduce, compute_device, to_device, world
+from flowc.runtime.modeling import ValueModel, load_causal_lm, response_logprobs, response_values, save_hf
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    trunk = model.trunk if isinstance(model, ValueModel) else model.model
+    return list(trunk.layers)
+
+
+def parallelize(model: nn.Module, *, layout: Layout) -> nn.Module:
+    """FSDP2 over the pool's data-parallel world, in this order: each decoder layer,
+    then the root (parameters offloaded to the host when the layout says so, on GPUs).
+    Replicated layouts and one-rank pools are left whole."""
+    size, _ = world()
+    if size == 1 or not layout.fsdp:
+        return model
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kw: dict[str, Any] = {}
+    if layout.offload_params and torch.cuda.is_available():
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for layer in _layers(model):
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+class Fsdp2Trainer:
+    """A role on HF + FSDP2: trained when ``init.optim`` is set, frozen otherwise."""
+
+    def __init__(self, init: EngineInit) -> None:
+        torch.manual_seed(init.seed)
+        self.init = init
+        self.lm_head = init.kind in LM_KINDS
+        lm = load_causal_lm(init.source, dtype=init.torch_dtype)
+        self.device = compute_device()
+        model: nn.Module = (lm if self.lm_head else ValueModel(lm)).to(self.device)
+        if init.layout.activation_checkpointing and hasattr(lm, "gradient_checkpointing_enable"):
+            lm.gradient_checkpointing_enable()
+        self.model = parallelize(model, layout=init.layout)
+        self.is_output = True  # no model parallelism: every rank answers for its own rows
+        self.last_received = 0.0
+        self.opt: torch.optim.Optimizer | None = None
+        if init.optim is not None:
+            o = init.optim
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+            self.model.train()
+        else:
+            self.model.eval()
+
+    # ------------------------------------------------------------ the loop's
+    def agree(self, count: int) -> int:
+        return int(allreduce(float(count), "max"))
+
+    def dp_sum(self, x: float) -> float:
+        return allreduce(x)
+
+    def _score(self, r: Rollout, with_entropy: bool) -> Any:
+        args = (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+        if self.lm_head:
+            return response_logprobs(self.model, *args, with_entropy=with_entropy)
+        return response_values(self.model, *args)
+
+    def run(self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool) -> list[dict[str, Any]]:
+        out = []
+        if not train:
+            was = self.model.training
+            self.model.eval()
+            with torch.no_grad():
+                for i, part in enumerate(parts):
+                    p = to_device(part, self.device)
+                    out.append(fn(i, p, lambda e, p=p: self._score(p, e))[1])
+            self.model.train(was)
+            return out
+        size, _ = world()
+        for i, part in enumerate(parts):
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(i == len(parts) - 1)  # reduce gradients once per update
+            p = to_device(part, self.device)
+            obj, st = fn(i, p, lambda e, p=p: self._score(p, e))
+            (obj * (float(size) if rows[i] else 0.0)).backward()  # the ranks' gradients are averaged
+            out.append(st)
+        return out
+
+    def share(self, stats: dict[str, float]) -> dict[str, float]:
+        return stats
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self, lr: float) -> float:
+        self._allreduce_grads()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = 0.0
+        if params:
+            clip = self.init.optim.max_grad_norm
+            n = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+            norm = float(n.full_tensor() if hasattr(n, "full_tensor") else n)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        return norm
+
+    def _allreduce_grads(self) -> None:
+        """Replicated data parallelism: average the gradients over the ranks in one flat all-reduce."""
+        size, _ = world()
+        if size == 1 or self.init.layout.fsdp:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= size
+        i = 0
+        for g in grads:
+            g.copy_(flat[i : i + g.numel()].view_as(g))
+            i += g.numel()
+
+    # ---------------------------------------------------------------- sync
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        params, self.last_received = self.full_params()
+        yield from params.items()
+
+    def full_params(self) -> tuple[dict[str, torch.Tensor], float]:
+        """Every parameter whole, and the bytes this rank received to get them.
+
+        Sharded (FSDP2) parameters are gathered in one collective over a flat
+        buffer of every local shard (not one call per tensor); replicated
+        parameters are already whole."""
+        named = list(self.model.named_parameters())
+        if not any(hasattr(p, "to_local") for _, p in named):
+            return {n: p.detach() for n, p in named}, 0.0
+        size, _ = world()
+        flat = torch.cat([p.to_local().detach().reshape(-1) for _, p in named])
+        counts = [torch.zeros(1, dtype=torch.long, device=flat.device) for _ in range(size)]
+        dist.all_gather(counts, torch.tensor([flat.numel()], device=flat.device))
+        width = max(int(c) for c in counts)
+        padded = torch.zeros(width, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()] = flat
+        bufs = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(bufs, padded)
+        out: dict[str, torch.Tensor] = {}
+        offsets = [0] * size
+        for name, p in named:
+            shape = tuple(p.shape)
+            sizes = [c.numel() for c in torch.empty(shape, device="meta").chunk(size, dim=0)]
+            sizes += [0] * (size - len(sizes))  # FSDP2 shards dim 0 as torch.chunk does
+            pieces = []
+            for r in range(size):
+                pieces.append(bufs[r][offsets[r] : offsets[r] + sizes[r]])
+                offsets[r] += sizes[r]
+            out[name] = torch.cat(pieces).view(shape)
+        received = (sum(t.numel() for t in out.values()) - flat.numel()) * flat.element_size()
+        return out, float(received)
+
+    # ---------------------------------------------------------- checkpoint
+    def state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        st: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.opt is not None:
+            st["optim"] = get_optimizer_state_dict(self.model, self.opt)
+        return st
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+        if self.opt is not None:
+            set_optimizer_state_dict(self.model, self.opt, state["optim"])
+
+    def export_hf(self, path: str, tokenizer: str | None) -> None:
+        params, _ = self.full_params()
+        if world()[1] != 0:
+            return
+        if not self.lm_head:  # the value head has no place in the LM; its trunk is the LM's
+            params = {k.removeprefix("trunk."): v for k, v in params.items() if k.startswith("trunk.")}
+        save_hf(self.init.source, params, path, tokenizer, trunk=not self.lm_head, what=self.init.role)

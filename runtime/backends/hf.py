@@ -1,0 +1,62 @@
+"""The ``hf`` rollout backend: flowc's own KV-cache decode loop over an HF
+causal LM (:mod:`flowc.runtime.sampling`), one model copy per replica."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from flowc.errors import DataError
+from flowc.ir.functional import PromptBatch, Rollout
+from flowc.ir.sampling import SamplingParams
+from flowc.runtime.backends import EngineInit
+from flowc.runtime.backends.collectives import compute_device
+from flowc.runtime.batches import repeat_rows
+from flowc.runtime.modeling import load_causal_lm, response_logprobs
+from flowc.runtime.sampling import Sampled, sample
+
+
+class HfRollout:
+    """Generation with the ``hf`` backend."""
+
+    def __init__(self, init: EngineInit) -> None:
+        self.init = init
+        self.device = compute_device()
+        self.model = load_causal_lm(init.source, dtype=init.torch_dtype).to(self.device)
+        self.model.eval()
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+    def sample(
+        self, prompts: PromptBatch, *, n: int, sp: SamplingParams, max_tokens: int, seeds: torch.Tensor, eos_id: int, pad_id: int
+    ) -> Sampled:
+        ids = repeat_rows(prompts.input_ids, n).to(self.device)
+        mask = repeat_rows(prompts.attention_mask, n).to(self.device)
+        out = sample(self.model, ids, mask, sp, max_tokens=max_tokens, eos_id=eos_id, pad_id=pad_id, seeds=seeds.to(self.device))
+        return Sampled(out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu())
+
+    def logprobs(self, r: Rollout) -> torch.Tensor:
+        args = (x.to(self.device) for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask))
+        return response_logprobs(self.model, *args).cpu()
+
+    @torch.no_grad()
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights in; every parameter must arrive, and nothing the model lacks
+        (a tied LM head is the embedding, so its name may come and is skipped)."""
+        own = dict(self.model.named_parameters())
+        got: set[str] = set()
+        for name, t in weights:
+            if name not in own:
+                if self.tied and name == "lm_head.weight":
+                    continue
+                raise DataError(f"{self.init.role}: the weight stream holds {name!r}, which the rollout model does not have")
+            own[name].copy_(t.to(device=own[name].device, dtype=own[name].dtype))
+            got.add(name)
+        missing = sorted(set(own) - got)
+        if missing:
+            raise DataError(f"{self.init.role}: the weight stream lacked {len(missing)} parameters ({', '.join(missing[:3])}, …)")
+
+    def sleep(self) -> bool:
+        """Nothing to free between rollouts (the ``vllm`` backend's sleep mode); says so."""
+        return False

@@ -1,0 +1,102 @@
+"""What every rollout backend shares: the tokenizer, seeding, decoding, and
+assembling the rollout; and the bytes a weight stream carries.
+
+:class:`RolloutEngine` wraps a :class:`~flowc.runtime.backends.RolloutBackend`.
+A sample's seed is a function of (run seed, step, round, global prompt row,
+sample) only, so a run draws the same samples whatever the number of
+generation replicas, the batch a row shares, or the backend's own scheduling
+order (each backend makes a sequence's tokens a function of its seed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from flowc.errors import SpecError
+from flowc.ir.functional import PromptBatch, Rollout
+from flowc.ir.sampling import SamplingParams
+from flowc.runtime.backends import EngineInit, RolloutBackend
+from flowc.runtime.batches import repeat_rows
+from flowc.runtime.modeling import rollout_tokenizer
+
+
+def request_seed(seed: int, step: int, round_: int, row: int, sample: int) -> int:
+    """A sample's seed: stable across processes, Python versions and layouts
+    (FNV-1a over the five numbers)."""
+    x = 1469598103934665603
+    for v in (seed, step, round_, row, sample):
+        x = ((x ^ (v & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return x % (2**31 - 1)
+
+
+class Counted:
+    """A weight stream that tallies the bytes it hands over."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.weights = weights
+        self.bytes = 0.0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.weights:
+            self.bytes += t.numel() * t.element_size()
+            yield name, t
+
+
+class RolloutEngine:
+    """A generation engine: the shared part around one backend."""
+
+    def __init__(self, backend: RolloutBackend, init: EngineInit) -> None:
+        self.b = backend
+        self.init = init
+        self.tok = rollout_tokenizer(init.tokenizer, backend.vocab_size)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: PromptBatch, *, n: int, sp: SamplingParams, max_tokens: int, step: int, round_: int, row_offset: int
+    ) -> tuple[Rollout, list[str]]:
+        """``n`` responses to each prompt row; ``row_offset`` is the global index of this
+        replica's first prompt (seeds follow global rows)."""
+        if sp.stop:
+            raise SpecError(
+                f"{self.init.role}.generate: stop strings {sp.stop} are not supported by the rollout backends",
+                fix="end responses with the tokenizer's EOS token instead",
+            )
+        rows = prompts.input_ids.shape[0]
+        seeds = torch.tensor(
+            [request_seed(self.init.seed, step, round_, row_offset + i, j) for i in range(rows) for j in range(n)],
+            dtype=torch.long,
+        )
+        s = self.b.sample(
+            prompts, n=n, sp=sp, max_tokens=max_tokens, seeds=seeds, eos_id=self.tok.eos_token_id, pad_id=self.tok.pad_token_id
+        )
+        r = Rollout(
+            repeat_rows(prompts.input_ids, n),
+            repeat_rows(prompts.attention_mask, n).bool(),
+            s.response_ids,
+            s.response_mask,
+            s.logprobs,
+        )
+        return r, self.decode(r)
+
+    def decode(self, r: Rollout) -> list[str]:
+        ids = r.response_ids.masked_fill(~r.response_mask, self.tok.pad_token_id)
+        return self.tok.batch_decode(ids, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def logprobs(self, r: Rollout) -> torch.Tensor:
+        return self.b.logprobs(r)
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """New weights in one reload; returns the bytes handed over."""
+        stream = Counted(weights)
+        self.b.load(stream)
+        return stream.bytes
+
+    def sleep(self) -> bool:
+        return self.b.sleep()
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.init.layout.backend, "dtype": self.init.dtype, "tp": self.init.layout.tp}

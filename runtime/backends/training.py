@@ -1,0 +1,260 @@
+"""The one training loop, shared by every training backend.
+
+:class:`TrainEngine` wraps a :class:`~flowc.runtime.backends.Trainer` and owns
+everything about an update that is not the backend's: epochs × mini-batches
+(mini-batch k is the same global rows on any layout), micro-batches (their
+count agreed by every rank, padding trimmed, DPO's pairs never split), the
+loss denominator of each mini-batch (summed over the replicas, so that the
+averaged gradients equal one process's), the objective of every role kind,
+the statistics, and the learning-rate schedule. Forward ops (log-probs,
+values, scores) are one pass over micro-batches here too.
+
+A backend supplies only: run these micro-batches under this function
+(forward, and backward when training), step the optimizer at this learning
+rate, and stream its weights.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from flowc.errors import DataError
+from flowc.ir.functional import Rollout, kl
+from flowc.ir.losses import PREFERENCE_LOSSES, aggregate, denominator_kind, dpo_loss, policy_loss, value_loss
+from flowc.ir.ops import RoleKind
+from flowc.ir.run_config import OptimConfig
+from flowc.runtime.backends import Score, Trainer
+from flowc.runtime.batches import even_split, num_rows, slice_rows
+
+
+def lr_at(cfg: OptimConfig, update: int) -> float:
+    """The learning rate of optimizer update ``update`` (0-based): a linear warm-up to ``lr``."""
+    warm = max(cfg.warmup_steps, 0)
+    return cfg.lr * (min(1.0, (update + 1) / warm) if warm else 1.0)
+
+
+def trim(r: Rollout) -> Rollout:
+    """Drop columns that are padding in every row (left of the prompts, right of the responses)."""
+    p_keep = int(r.prompt_mask.long().sum(-1).max().item()) if r.prompt_mask.numel() else 0
+    r_keep = int(r.response_mask.long().sum(-1).max().item()) if r.response_mask.numel() else 0
+    p_keep, r_keep = max(p_keep, 1), max(r_keep, 1)
+    p = r.prompt_ids.shape[1]
+    return Rollout(
+        r.prompt_ids[:, p - p_keep :],
+        r.prompt_mask[:, p - p_keep :],
+        r.response_ids[:, :r_keep],
+        r.response_mask[:, :r_keep],
+        r.logprobs[:, :r_keep],
+    )
+
+
+def pad_right(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
+    if x.shape[1] == width:
+        return x
+    pad = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
+def chunk_ranges(rows: int, k: int, unit: int = 1) -> Iterator[tuple[int, int]]:
+    """``k`` near-equal row ranges that never split a group of ``unit`` rows."""
+    for lo, hi in even_split(rows // unit, k):
+        yield lo * unit, hi * unit
+
+
+def minibatch_bounds(role: str, mini_sizes: list[int], rows: int) -> list[tuple[int, int]]:
+    """Row ranges of the mini-batches: ``mini_sizes[k]`` rows, in order, belong to mini-batch k."""
+    bounds, start = [], 0
+    for size in mini_sizes:
+        bounds.append((start, start + size))
+        start += size
+    if start != rows:
+        raise DataError(f"{role}.update: mini-batches of {start} rows for {rows} rows")
+    return bounds
+
+
+def objective(
+    kind: RoleKind,
+    role: str,
+    r: Rollout,
+    t: dict[str, torch.Tensor],
+    spec: Any,
+    kl_coef: float,
+    kl_kind: str,
+    entropy_coef: float,
+    denom: float,
+    score: Score,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A role's training objective on one micro-batch and its statistics:
+    ``score(with_entropy)`` runs the model (log-probabilities and entropy for a
+    policy, values for a critic)."""
+    mask = r.response_mask
+    max_len = r.response_ids.shape[1]
+    if kind == RoleKind.POLICY and isinstance(spec, PREFERENCE_LOSSES):
+        if "ref_logprobs" not in t:
+            raise DataError(f"{role}.update with {spec} got no ref_logprobs")
+        return dpo_loss(spec, score(False), t["ref_logprobs"], mask, pairs=denom / 2)
+    if kind == RoleKind.POLICY:
+        logp, entropy = score(True)
+        if "advantages" not in t:
+            raise DataError(f"{role}.update got no advantages")
+        pg, st = policy_loss(spec, logp, t.get("old_logprobs"), t["advantages"], mask, denom=denom, max_len=max_len)
+        obj = pg
+        m = mask.to(logp.dtype)
+        st = {"pg_loss": float(pg.detach()), **st}
+        ent = aggregate(entropy, mask, spec.agg, denom=denom, max_len=max_len)
+        st["entropy"] = float(((entropy * m).sum() / m.sum().clamp(min=1)).item())
+        if entropy_coef:
+            obj = obj - entropy_coef * ent
+        if kl_coef and "ref_logprobs" in t:
+            k = kl(logp, t["ref_logprobs"], kl_kind)
+            obj = obj + kl_coef * aggregate(k, mask, spec.agg, denom=denom, max_len=max_len)
+            st["kl"] = float(((k.detach() * m).sum() / m.sum().clamp(min=1)).item())
+        return obj, st
+    values = score(False)
+    if "returns" not in t:
+        raise DataError(f"{role}.update got no returns")
+    vl, st = value_loss(spec, values, t.get("old_values"), t["returns"], mask, denom=denom, max_len=max_len)
+    return vl, {"vf_loss": float(vl.detach().item()), **st}
+
+
+class TrainEngine:
+    """A trained or frozen role on a training backend, driven by the shared loop."""
+
+    def __init__(self, backend: Trainer) -> None:
+        self.b = backend
+        self.init = backend.init
+        self.updates = 0
+        self.micro_batches = 0  # of the last op: what the plan's micro_batch made of this replica's rows
+
+    # -------------------------------------------------------- micro-batches
+    def split(self, r: Rollout, micro: int, unit: int = 1) -> tuple[list[Rollout], list[int]]:
+        """This replica's rows in micro-batches of at most ``micro`` rows (the count agreed by every
+        rank of the pool, padded with one-row micro-batches where a replica has fewer), padding
+        trimmed; and the real rows of each."""
+        rows = num_rows(r)
+        k = self.b.agree(max(1, math.ceil(rows // unit / max(1, micro // unit))))
+        parts, real = [], []
+        for lo, hi in chunk_ranges(rows, k, unit):
+            parts.append(trim(slice_rows(r, lo, hi) if hi > lo else slice_rows(r, 0, unit)))
+            real.append(hi - lo)
+        self.micro_batches = k
+        return parts, real
+
+    # -------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(self, r: Rollout, micro: int) -> torch.Tensor | None:
+        """Log-probabilities (policy, reference) or values (critic) ``[n, R]`` of the rows, or a
+        reward model's scores ``[n]`` (its value at the last response token); None on ranks
+        whose outputs the controller does not keep."""
+        width = r.response_ids.shape[1]
+        parts, real = self.split(r, micro)
+        got = self.b.run(parts, real, lambda i, part, score: (None, {"out": score(False)}), train=False)
+        if got is None:
+            return None
+        scores = self.init.kind == RoleKind.REWARD_MODEL
+        outs = []
+        for n, part, g in zip(real, parts, got, strict=True):
+            if n == 0:
+                continue
+            out = g["out"][:n].float().cpu()
+            if scores:  # a reward model scores a sequence at its last response token
+                last = (part.response_mask[:n].long().sum(-1) - 1).clamp(min=0)
+                outs.append(out.gather(1, last.unsqueeze(-1)).squeeze(-1))
+            else:
+                outs.append(pad_right(out, width))
+        if not outs:
+            return torch.zeros(0) if scores else torch.zeros((0, width))
+        return torch.cat(outs, dim=0)
+
+    # --------------------------------------------------------------- update
+    def update(
+        self,
+        r: Rollout,
+        tensors: dict[str, torch.Tensor],
+        *,
+        loss: Any,
+        kl_coef: float,
+        kl_kind: str,
+        entropy_coef: float,
+        mini_sizes: list[int],
+        epochs: int,
+        micro: int,
+    ) -> dict[str, float]:
+        """Optimizer updates over this replica's rows: ``mini_sizes[k]`` rows (in order) belong
+        to mini-batch k (see ``runtime.batches.minibatch_rows``), each epoch visits them all."""
+        cfg, role = self.init.optim, self.init.role
+        if cfg is None:
+            raise DataError(f"{role} is frozen; it has no update")
+        t0 = time.perf_counter()
+        bounds = minibatch_bounds(role, mini_sizes, num_rows(r))
+        unit = 2 if isinstance(loss, PREFERENCE_LOSSES) else 1  # DPO's (chosen, rejected) rows stay together
+        count_tokens = denominator_kind(loss.agg) == "tokens"
+        sums: dict[str, float] = {}
+        weight, norm_sum, lr = 0.0, 0.0, lr_at(cfg, self.updates)
+        for _epoch in range(epochs):
+            for mlo, mhi in bounds:
+                mb = slice_rows(r, mlo, mhi)
+                ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
+                local = float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)
+                denom = max(self.b.dp_sum(local), 1.0)  # every row of the mini-batch once: replicas hold disjoint rows
+                parts, real = self.split(mb, micro, unit)
+                starts = [sum(real[:i]) for i in range(len(real))]
+
+                def fn(i: int, part: Rollout, score: Score, ts=ts, denom=denom, starts=starts, real=real):
+                    a, n = starts[i], real[i]
+                    width = part.response_ids.shape[1]
+                    pt = {k: slice_rows(v, a, a + n) if n else slice_rows(v, 0, unit) for k, v in ts.items()}
+                    pt = {k: (v[:, :width] if v.dim() == 2 else v).to(part.response_ids.device) for k, v in pt.items()}
+                    kind = self.init.kind
+                    return objective(kind, role, part, pt, loss, kl_coef, kl_kind, entropy_coef, denom, score)
+
+                self.b.zero_grad()
+                got = self.b.run(parts, real, fn, train=True) or []
+                lr = lr_at(cfg, self.updates)
+                norm_sum += self.b.step(lr) * (mhi - mlo)
+                self.updates += 1
+                for n, g in zip(real, got, strict=False):
+                    for key, val in g.items():
+                        sums[key] = sums.get(key, 0.0) + val * n
+                    weight += n
+        out = self.b.share({k: v / max(weight, 1.0) for k, v in sums.items()})
+        out["grad_norm"] = norm_sum / max(num_rows(r) * epochs, 1)
+        out["lr"] = lr
+        out["updates"] = float(self.updates)
+        out["update_s"] = time.perf_counter() - t0
+        return out
+
+    # --------------------------------------------------- weights, checkpoints
+    @property
+    def last_received(self) -> float:
+        return self.b.last_received
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.b.weights()
+
+    def state(self) -> dict[str, Any]:
+        return {"backend": self.b.state(), "updates": self.updates}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.b.load_state(state["backend"])
+        self.updates = int(state["updates"])
+
+    def export_hf(self, path: str, tokenizer: str | None) -> None:
+        self.b.export_hf(path, tokenizer)
+
+    def describe(self) -> dict[str, Any]:
+        """What runs, as built: backend, parameter dtype, whether parameters are sharded over the
+        pool, whether it trains, and the micro-batches its last op ran."""
+        params = list(self.b.model.parameters())
+        return {
+            "backend": self.init.layout.backend,
+            "dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
+            "sharded": any(hasattr(p, "to_local") for p in params),
+            "trains": self.init.optim is not None,
+            "micro_batches": self.micro_batches,
+        }
