@@ -10,7 +10,6 @@ again, so a saved plan runs unchanged.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from flowc.errors import SpecError
 from flowc.ir.cluster import ClusterSpec
@@ -35,10 +34,13 @@ def compile_plan(
     pin_words: list[str],
     rollout: str | None,
     split_local: bool,
+    here: bool = True,
 ) -> Plan:
     """Plan ``g`` for ``cluster`` within what the runtime executes. On this machine's
     CPUs (``split_local``) how many worker processes to split the cores into is a
-    decision too: every split is planned and the fastest kept."""
+    decision too: every split is planned and the fastest kept. ``here``: the workers run on
+    this machine, so only the backends installed here are candidates (on a remote cluster,
+    every one; its workers load them)."""
     from flowc.passes.pipeline import make_plan
 
     kind = cluster.profile.kind
@@ -51,25 +53,12 @@ def compile_plan(
         candidates = [ClusterSpec.local(d) for d in range(1, cores + 1) if cores % d == 0]
     best: Plan | None = None
     for c in candidates:
-        target = run_target(c, config, rollout)
+        target = run_target(c, config, rollout, here=here)
         specs = {r: ModelSpec.resolve(src).model_copy(update={"dtype": target.dtype}) for r, src in sources.items()}
         plan, _, _ = make_plan(g, specs, c, workload, pins, target=target)
         if best is None or plan.predicted.step_time_s < best.predicted.step_time_s:
             best = plan
     return best
-
-
-def read_plan(path: Path) -> Plan:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise SpecError(f"cannot read plan {path}: {e}") from e
-    try:
-        return Plan.from_json(text)
-    except SpecError as e:
-        raise SpecError(f"{path}: {e.what}", fix=e.fix) from None
-    except Exception as e:
-        raise SpecError(f"{path} is not a flowc plan: {e}", fix="give a plan.json written by flowc plan -o or flowc run") from e
 
 
 def check_saved(plan: Plan, g: FlowGraph, sources: dict[str, str], *, what: str) -> None:

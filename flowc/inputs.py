@@ -3,6 +3,7 @@ policy's tokenizer) and the prompt data."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -72,11 +73,30 @@ def check_tokenizer(tokenizer: str, sources: dict[str, str]) -> None:
             )
 
 
+def check_model_roles(g: FlowGraph, given: dict[str, str]) -> None:
+    """``--model ROLE=…`` names model roles of ``g``, and gives the policy's model when it gives any."""
+    for role in given:
+        if role not in g.roles:
+            close = difflib.get_close_matches(role, list(g.roles), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecError(
+                f"--model names role {role!r}, which flow {g.name!r} does not have{hint}", fix=f"its roles: {', '.join(g.roles)}"
+            )
+        if g.roles[role].kind == RoleKind.REWARD:
+            raise SpecError(
+                f"role {role!r} is a Python reward function, not a model", fix=f"bind it with --reward {role}=module:function"
+            )
+    policies = [r for r, i in g.roles.items() if i.kind == RoleKind.POLICY]
+    if given and policies and not any(p in given for p in policies):
+        raise SpecError(f"no model given for policy role {policies[0]!r}", fix=f"pass --model {policies[0]}=NAME")
+
+
 def model_sources(g: FlowGraph, given: dict[str, str], out: Path) -> tuple[dict[str, str], str]:
     """An HF directory for every model role (a role not given uses the policy's model,
     and with none given the built-in tiny model), and the policy's tokenizer directory."""
     from flowc.tasks.arithmetic import asset_dir
 
+    check_model_roles(g, given)
     policy = next((r for r, i in g.roles.items() if i.kind == RoleKind.POLICY), None)
     base = given.get(policy) if policy else None
     tok_dir = str(asset_dir())

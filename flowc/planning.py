@@ -4,7 +4,6 @@ and re-planning a saved plan."""
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,22 +36,12 @@ def resolve_models(g: FlowGraph, given: dict[str, str]) -> tuple[dict[str, Model
     A role not given defaults to the policy's model (the reference is the
     policy's initial weights; critics and reward models are commonly
     initialised from it); with no model at all, the built-in tiny model."""
+    from flowc.inputs import check_model_roles
+
     model_roles = {r.name: r.kind for r in g.roles.values() if r.kind != "reward"}
-    for role in given:
-        if role not in g.roles:
-            close = difflib.get_close_matches(role, list(g.roles), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise SpecError(
-                f"--model names role {role!r}, which flow {g.name!r} does not have{hint}", fix=f"its roles: {', '.join(g.roles)}"
-            )
-        if g.roles[role].kind == "reward":
-            raise SpecError(
-                f"role {role!r} is a Python reward function, not a model", fix=f"bind it with --reward {role}=module:function"
-            )
+    check_model_roles(g, given)
     notes: list[str] = []
     policies = [r for r, k in model_roles.items() if k == "policy"]
-    if given and policies and not any(p in given for p in policies):
-        raise SpecError(f"no model given for policy role {policies[0]!r}", fix=f"pass --model {policies[0]}=NAME")
     base = next((given[p] for p in policies if p in given), None) or next(iter(given.values()), DEFAULT_MODEL)
     out: dict[str, ModelSpec] = {}
     for role, kind in model_roles.items():
@@ -66,8 +55,8 @@ def resolve_models(g: FlowGraph, given: dict[str, str]) -> tuple[dict[str, Model
 def runtime_pins(kind: str) -> Pins:
     """What the runtime's backends execute on ``kind`` devices, as pins for the planner
     (from the backend registry): the backends that run there, the layout fields each
-    fixes, and weight syncs limited to whole tensors (every rollout backend reloads
-    whole HF tensors)."""
+    fixes, weight syncs limited to whole tensors (every rollout backend reloads
+    whole HF tensors), and co-located training state kept on the device while generating."""
     from flowc.runtime.backends import BACKENDS
 
     here = {name: info for name, info in BACKENDS.items() if info.runs_on(kind)}
@@ -75,6 +64,7 @@ def runtime_pins(kind: str) -> Pins:
         backends=list(here),
         limits={name: PhasePin(**info.limits[kind]) for name, info in here.items()},
         whole_tensor_sync=True,
+        sleep_colocated=False,  # the runtime keeps co-located training state on the device
     )
 
 
@@ -104,7 +94,7 @@ def run_target(cluster: ClusterSpec, config: RunConfig, rollout: str | None, *, 
         info = BACKENDS.get(rollout)
         if info is None or info.role != "rollout":
             raise SpecError(f"--rollout {rollout!r} is not a rollout backend", fix=f"use one of {', '.join(ROLLOUT_BACKENDS)}")
-        if not info.runs_on(kind) or not info.installed():
+        if not info.runs_on(kind) or (here and not info.installed()):
             why = "is not installed" if info.runs_on(kind) else f"does not run on {kind.upper()}s"
             raise SpecError(f"--rollout {rollout}, but {rollout} {why}", fix=info.install or "use another rollout backend")
         backends: tuple[str, ...] = (rollout,)
@@ -112,6 +102,19 @@ def run_target(cluster: ClusterSpec, config: RunConfig, rollout: str | None, *, 
         backends = rollout_backends(kind, installed=here)
     cpus = config.cpus_per_worker if "cpus_per_worker" in config.model_fields_set else None
     return Target.of(cluster, dtype=config.dtype, cpus_per_worker=cpus, timeout_s=config.timeout_s, rollout_backends=backends)
+
+
+def read_plan(path: Path) -> Plan:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"cannot read plan {path}: {e}") from e
+    try:
+        return Plan.from_json(text)
+    except SpecError as e:
+        raise SpecError(f"{path}: {e.what}", fix=e.fix) from None
+    except Exception as e:
+        raise SpecError(f"{path} is not a flowc plan: {e}", fix="give a plan.json written by flowc plan -o or flowc run") from e
 
 
 @dataclass
@@ -143,12 +146,7 @@ def build_request(
     pins = parse_pins([w for w in (pin_words or []) if w not in pin_files], pin_files)
     given = parse_model_words(model_words)
     if plan_file:
-        try:
-            saved = Plan.from_json(Path(plan_file).read_text())
-        except OSError as e:
-            raise SpecError(f"cannot read plan {plan_file}: {e}") from e
-        except Exception as e:
-            raise SpecError(f"{plan_file} is not a flowc plan: {e}") from e
+        saved = read_plan(Path(plan_file))
         if saved.flow != g.name:
             raise SpecError(f"{plan_file} is a plan of flow {saved.flow!r}, not {g.name!r}")
         given = {**{r: rp.model for r, rp in saved.roles.items()}, **given}

@@ -172,7 +172,9 @@ class Policy(Role):
                     f"{self.name}.update(kl_coef={static['kl_coef']}) needs ref_logprobs=",
                     fix="pass ref_logprobs=ref.logprobs(rollout), or set kl_coef=0",
                 )
-            static["kl_kind"] = kwargs.get("kl_kind", "low_var_kl")
+            from flowc.ir.functional import DEFAULT_KL_KIND
+
+            static["kl_kind"] = kwargs.get("kl_kind", DEFAULT_KL_KIND)
         elif "kl_kind" in kwargs:
             static["kl_kind"] = kwargs["kl_kind"]
         if "kl_kind" in static:

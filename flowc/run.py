@@ -90,14 +90,15 @@ def prepare(req: RunRequest) -> Prepared:
     builtin = req.data is None
     rewards, names = bind_rewards(g, req.rewards, (arith.exact_match, "flowc.tasks.arithmetic:exact_match") if builtin else None)
     plan, address, own = _plan(req, g, sources, out, builtin)
-    spec = RunSpec(lower(plan), _config(req, builtin), sources, tokenizer, data, eval_data, rewards, names, out)
+    spec = RunSpec(lower(plan, here=address is None), _config(req, builtin), sources, tokenizer, data, eval_data, rewards, names, out)
     return Prepared(spec, plan, address, own)
 
 
 def _plan(req: RunRequest, g: FlowGraph, sources: dict[str, str], out: Path, builtin: bool) -> tuple[Plan, str | None, bool]:
     """The plan to run (a saved one, checked; else compiled here), the Ray address to join, and
     whether the plan is the run directory's own."""
-    from flowc.compile import check_saved, compile_plan, read_plan, saved_conflicts
+    from flowc.compile import check_saved, compile_plan, saved_conflicts
+    from flowc.planning import read_plan
 
     saved_path = (
         Path(req.plan_file) if req.plan_file else (out / "plan.json" if req.resume and (out / "plan.json").exists() else None)
@@ -113,7 +114,15 @@ def _plan(req: RunRequest, g: FlowGraph, sources: dict[str, str], out: Path, bui
     cluster, address = _cluster(req)
     wl = WorkloadSpec.parse(req.workload or (BUILTIN_WORKLOAD if builtin else USER_WORKLOAD))
     plan = compile_plan(
-        g, sources, cluster, wl, req.config, pin_words=req.pins, rollout=req.rollout, split_local=req.cluster == "local"
+        g,
+        sources,
+        cluster,
+        wl,
+        req.config,
+        pin_words=req.pins,
+        rollout=req.rollout,
+        split_local=req.cluster == "local",
+        here=address is None,
     )
     return plan, address, False
 
@@ -214,8 +223,8 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
     p = prepare(req)
     spec, out = p.run, p.run.out_dir
     write_plan(p)
+    ctl = Controller(spec)  # checks the run config against the program before Ray starts
     started = init_ray(p.address) if not ray.is_initialized() else False
-    ctl = Controller(spec)
     start_step = 0
     log: MetricsLog | None = None
     # Ctrl-C asks for a stop at the next step boundary (no Ray call is cut in half); a second one aborts

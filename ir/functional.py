@@ -222,6 +222,7 @@ def varied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 KLKind = Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"]
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl", "abs", "mse")
+DEFAULT_KL_KIND = "low_var_kl"  # update(ref_logprobs=…) without kl_kind
 
 
 @traceable

@@ -140,6 +140,9 @@ class PhasePlan(BaseModel):
     ops: list[str]
     waves: int = 1  # generation: how many waves the KV cache forces
     mfu: float = 0.0
+    # generation: the co-located training state sleeps in host memory while this phase
+    # generates (its memory is not counted here; the round trip is in time_s)
+    sleeps_colocated: bool = False
 
 
 class RolePlan(BaseModel):
@@ -214,7 +217,8 @@ class Target(BaseModel):
     Attributes:
         kind: the devices' kind, from the cluster's hardware profile.
         collective: torch.distributed backend of every pool (nccl on GPUs, gloo on CPUs).
-        dtype: parameters' dtype in training and generation (the dtype the cost model priced).
+        dtype: the compute dtype of training and generation, and of the weights a sync moves
+            (FSDP2 keeps fp32 master weights under it; the dtype the cost model prices models in).
         cpus_per_worker: CPUs each worker reserves, and its thread count.
         timeout_s: the longest any remote call may take before the run fails.
         sync_bucket_bytes: size of the object-store buckets of a weight sync between pools.

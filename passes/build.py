@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from flowc.errors import PlanError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP, Op
 from flowc.ir.plan import Layout, Memory, PhasePlan, PoolPlan, Predicted, ReshardPlan, RolePlan, ScheduleEntry
@@ -76,6 +77,11 @@ def reshards(g: FlowGraph, ctx: PlanContext, pl: Placement) -> list[ReshardPlan]
         synced.add(role)
         tu, gu = train_unit(units.values(), role), gen_unit(units.values(), role)
         rc, train_lay, gen_lay, colocated = sync_choice(ctx, pl.cand, tu, gu)
+        if rc is None:  # the search keeps only candidates whose syncs it priced: a disagreement is a bug
+            raise PlanError(
+                f"{role}: no weight-sync method moves {train_lay.short()} to {gen_lay.short()} for the chosen placement",
+                fix="report this plan (flowc plan … -o plan.json); pin reshard.ROLE or the layouts to work around it",
+            )
         lb = lower_bound_bytes(ctx.models[role], train_lay, gen_lay, colocated)
         out.append(
             ReshardPlan(
@@ -181,7 +187,8 @@ def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float
     if gc.reshard is not None:  # co-located: the training state stays, the engine adds its weights
         mem = replace(mem, weights=gc.weights_gb)
     plan_mem = _plan_mem(mem, 0.0 if gc.swapped else choice.resident_gb)
-    return _phase(pool, choice.devices, devs, gc.layout, plan_mem, cap, items, max(c.waves for _, c in items), 0.0)
+    ph = _phase(pool, choice.devices, devs, gc.layout, plan_mem, cap, items, max(c.waves for _, c in items), 0.0)
+    return ph.model_copy(update={"sleeps_colocated": gc.swapped})
 
 
 def _plan_mem(m: MemoryGB, other: float) -> Memory:

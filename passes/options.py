@@ -134,7 +134,9 @@ class OptionTable:
         out: list[Layout] = []
         long_ctx = self.demand[u.update_op or u.ops[-1]].seq_len >= 8192
         gpu = self.hw.kind == "gpu"  # Megatron and offload need GPUs
-        offloads = ((False, False), (False, True), (True, True)) if gpu else ((False, False),)
+        # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together:
+        # it has no optimizer-only offload (Megatron's optimizer_cpu_offload is that)
+        offloads = ((False, False), (True, True)) if gpu else ((False, False),)
         mbs = (self.workload.train_micro_batch,) if self.workload.train_micro_batch else MICRO_BATCHES
         for tp in tp_choices(m, d, self.hw):
             rest = d // tp

@@ -78,6 +78,9 @@ class Pins(BaseModel):
     # Set by the runtime: its generation engines reload whole tensors, so only the
     # reshard methods that deliver whole tensors are open (reshard.whole_tensor_options).
     whole_tensor_sync: bool = False
+    # Set by the runtime: whether the co-located training state may sleep in host
+    # memory while a generation engine on the same devices runs (the runtime does not move it yet).
+    sleep_colocated: bool = True
 
     def phase(self, role: str, phase: str) -> PhasePin:
         return self.roles.get(role, {}).get(phase, PhasePin())
@@ -100,6 +103,7 @@ class Pins(BaseModel):
             and not self.limits
             and self.backends is None
             and not self.whole_tensor_sync
+            and self.sleep_colocated
         )
 
     def merged(self, other: Pins) -> Pins:
@@ -113,6 +117,7 @@ class Pins(BaseModel):
             colocate=other.colocate if other.colocate is not None else self.colocate,
             reshard={**self.reshard, **other.reshard},
             whole_tensor_sync=self.whole_tensor_sync or other.whole_tensor_sync,
+            sleep_colocated=self.sleep_colocated and other.sleep_colocated,
             backends=_both(self.backends, other.backends),
             limits={
                 b: self.limits[b].merged(other.limits[b])

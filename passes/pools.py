@@ -183,7 +183,7 @@ class PoolTable:
                     rs = None
                     extra = generation_weights_gb(m, lay)
                 host_used = sum(o.host_gb for o in chosen.values())
-                swap_ok = resident > 0 and host_used + resident <= t.hw.host_per_device_gb + 1e-9
+                swap_ok = t.pins.sleep_colocated and resident > 0 and host_used + resident <= t.hw.host_per_device_gb + 1e-9
                 for swapped in (False, True) if swap_ok else (False,):
                     # with room in host memory, the co-located state can sleep there while the engine generates
                     free = self.cap - extra - (0.0 if swapped else resident)

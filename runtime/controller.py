@@ -25,8 +25,8 @@ from typing import Any
 import ray
 import torch
 
-from flowc.errors import DataError, RuntimeFailure
-from flowc.ir.functional import varied_groups
+from flowc.errors import DataError, RuntimeFailure, SpecError
+from flowc.ir.functional import DEFAULT_KL_KIND, varied_groups
 from flowc.ir.graph import Node, ValueRef
 from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
 from flowc.ir.ops import Op
@@ -79,6 +79,19 @@ class Iteration:
     samples: dict[str, int] = field(default_factory=dict)  # generate node → n
 
 
+def check_response_lengths(p: Program, cfg: RunConfig) -> None:
+    """No generate asks for longer responses than the plan priced (its workload's response_len)."""
+    limit = p.workload.response_len
+    asked = [("the run config's sampling.max_tokens", cfg.sampling.max_tokens)]
+    asked += [(f"{st.node}(max_tokens=…)", st.args.get("max_tokens")) for st in p.steps if st.op == Op.GENERATE]
+    for where, n in asked:
+        if n and int(n) > limit:
+            raise SpecError(
+                f"{where} asks for responses of {int(n)} tokens, but the plan was made for response_len={limit}",
+                fix=f"plan for them: --workload response_len={int(n)} (or lower max_tokens)",
+            )
+
+
 class Controller:
     """Owns the worker groups for the length of a run."""
 
@@ -88,6 +101,7 @@ class Controller:
         self.s = spec
         self.p = spec.program
         self.cfg = spec.config
+        check_response_lengths(self.p, self.cfg)
         self.groups: dict[str, WorkerGroup] = {}
         self.tok = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.history: list[dict[str, Any]] = []
@@ -144,6 +158,7 @@ class Controller:
             max_model_len=w.prompt_len + max(w.response_len, self._max_tokens()),
             # a rollout engine sharing its devices with a trainer frees its memory between rollouts (where it can)
             colocated=g.hosts(EngineKind.TRAIN),
+            memory_fraction=e.memory_fraction,
             timeout_s=self.p.target.timeout_s,
         )
 
@@ -363,7 +378,7 @@ class Controller:
         base = {
             "loss": node.kwargs["loss"],
             "kl_coef": float(node.kwargs.get("kl_coef", 0.0)),
-            "kl_kind": node.kwargs.get("kl_kind", "low_var_kl"),
+            "kl_kind": node.kwargs.get("kl_kind", DEFAULT_KL_KIND),  # unused without ref_logprobs (kl_coef 0)
             "entropy_coef": float(node.kwargs.get("entropy_coef", 0.0)),
             "epochs": w.epochs,
             "micro": st.args["micro"],

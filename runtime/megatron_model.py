@@ -22,8 +22,9 @@ from flowc.ir.models import ModelSpec
 from flowc.runtime.megatron_weights import Degrees, padded_vocab
 
 
-def transformer_config(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dtype, cuda: bool) -> Any:
-    """Megatron's TransformerConfig for an HF config and the plan's degrees."""
+def transformer_config(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dtype, cuda: bool, recompute: bool = False) -> Any:
+    """Megatron's TransformerConfig for an HF config and the plan's degrees (``recompute``:
+    the layout's activation checkpointing, as full recomputation of every layer)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -47,6 +48,10 @@ def transformer_config(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dty
         )
         if getattr(hf, "model_type", "") == "qwen3_moe" and not getattr(hf, "norm_topk_prob", True):
             raise SpecError("Qwen3-MoE without norm_topk_prob is not mapped", fix="train it with fsdp2")
+    # activation checkpointing as the cost model prices it: every layer's activations recomputed in backward
+    recompute_kw: dict[str, Any] = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    )
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -74,6 +79,7 @@ def transformer_config(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dty
         fp16=dtype == torch.float16,
         use_cpu_initialization=True,  # weights are loaded from the checkpoint, then moved
         **moe,
+        **recompute_kw,
     )
 
 
@@ -90,12 +96,14 @@ class ValueHead(nn.Module):
         return self.linear(hidden), None
 
 
-def build_model(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dtype, value_head: bool, cuda: bool) -> nn.Module:
+def build_model(
+    hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dtype, value_head: bool, cuda: bool, recompute: bool = False
+) -> nn.Module:
     """This rank's GPTModel: its pipeline stage, its tp/ep shard (weights uninitialised until loaded)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    cfg = transformer_config(hf, arch, d, dtype=dtype, cuda=cuda)
+    cfg = transformer_config(hf, arch, d, dtype=dtype, cuda=cuda, recompute=recompute)
     if arch.num_experts:
         from megatron.core.transformer.moe import moe_utils
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from flowc.errors import PlanError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP, TRAINABLE_KINDS, Op, RoleKind, _Name
-from flowc.ir.plan import Layout, Plan, ReshardPlan, Target
+from flowc.ir.plan import Layout, PhasePlan, Plan, ReshardPlan, Target
 from flowc.ir.plan_verify import device_ids, verify_plan
 from flowc.ir.workload import WorkloadSpec
 from flowc.runtime.backends import SYNC_TRANSPORTS, backend
@@ -62,6 +62,7 @@ class EngineSpec:
     role_kind: RoleKind
     layout: Layout
     model: str
+    memory_fraction: float = 0.0  # of each device, what the plan gives a rollout engine (0: not planned)
 
     @property
     def role(self) -> str:
@@ -155,8 +156,10 @@ class Program:
         return "\n".join(lines) + "\n"
 
 
-def check_executable(plan: Plan) -> None:
-    """Raise a PlanError naming the first decision of ``plan`` this runtime cannot execute."""
+def check_executable(plan: Plan, *, here: bool = True) -> None:
+    """Raise a PlanError naming the first decision of ``plan`` this runtime cannot execute
+    (``here``: its workers run on this machine, so its backends must be installed here;
+    on a remote cluster the workers' own imports say so)."""
     kind = plan.target.kind
     for role, rp in plan.roles.items():
         for phase, pp in rp.phases.items():
@@ -166,7 +169,21 @@ def check_executable(plan: Plan) -> None:
                 raise PlanError(
                     f"{role}.{phase} runs on {info.name}, a {info.role} backend; a {phase} phase needs a {want} backend"
                 )
-            info.check(kind, pp.layout, f"{role}.{phase}")
+            info.check(kind, pp.layout, f"{role}.{phase}", here=here)
+            if pp.sleeps_colocated:
+                raise PlanError(
+                    f"{role}.generate is planned with the co-located training state asleep in host memory, "
+                    "which this runtime does not do (it keeps that state on the device)",
+                    fix="re-plan within what the runtime executes (flowc plan … --for-run)",
+                )
+        if "forward" in rp.phases and "train" in rp.phases:
+            fw, tr = rp.phases["forward"], rp.phases["train"]
+            if (fw.pool, fw.layout) != (tr.pool, tr.layout):
+                raise PlanError(
+                    f"{role}.forward is planned on {fw.pool} with {fw.layout.short()}, but a trained role's forward ops "
+                    f"run on its training engine ({tr.pool}, {tr.layout.short()})",
+                    fix="re-plan the flow (the planner gives a trained role's forward phase its training layout)",
+                )
     for r in plan.reshards:
         if r.dst_phase == "generate" and r is plan.generation_sync(r.role):
             _check_sync(plan, r)
@@ -186,10 +203,11 @@ def _check_sync(plan: Plan, r: ReshardPlan) -> None:
         raise PlanError(f"{r.role}'s generation {where}, but its sync is planned as {r.method}", fix="re-plan the flow")
 
 
-def lower(plan: Plan) -> Program:
-    """The Program that runs ``plan``: verified, checked against what this runtime executes."""
+def lower(plan: Plan, *, here: bool = True) -> Program:
+    """The Program that runs ``plan``: verified, checked against what this runtime executes
+    (``here``: on this machine's workers)."""
     verify_plan(plan)
-    check_executable(plan)
+    check_executable(plan, here=here)
     g = plan.flow_graph()
     node_size = int(plan.cluster["devices_per_node"])
     engines: dict[str, list[EngineSpec]] = {p.name: [] for p in plan.pools}
@@ -198,7 +216,7 @@ def lower(plan: Plan) -> Program:
             key = EngineKey(role, EngineKind.of(rp.kind, phase))
             if phase == "forward" and key.kind == EngineKind.TRAIN:
                 continue  # a trained role's forward ops run on its training engine, in its training layout
-            engines[pp.pool].append(EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model))
+            engines[pp.pool].append(EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model, _memory_fraction(pp, phase)))
     groups = tuple(
         GroupSpec(
             p.name, tuple(sorted(device_ids(p.devices))), node_size, tuple(sorted(engines[p.name], key=lambda e: str(e.key)))
@@ -213,6 +231,15 @@ def lower(plan: Plan) -> Program:
         group, engine, args = _placement(plan, g, n)
         steps.append(Step(len(steps), n.op, n.id, group, engine, ins, args, round(predicted.get(n.id, 0.0), 6)))
     return Program(plan.flow, groups, tuple(steps), g, plan.target, _workload(plan))
+
+
+def _memory_fraction(pp: PhasePlan, phase: str) -> float:
+    """The share of each device a generate phase's engine may take: what the plan
+    gives its weights, KV cache and buffers (not the co-located roles' state)."""
+    if phase != "generate" or pp.capacity_gb <= 0:
+        return 0.0
+    own = pp.memory.total - pp.memory.other_roles
+    return round(min(0.95, max(0.05, own / pp.capacity_gb)), 3)
 
 
 def _placement(plan: Plan, g: FlowGraph, n) -> tuple[str | None, EngineKey | None, dict[str, object]]:

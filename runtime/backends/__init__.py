@@ -50,6 +50,8 @@ class EngineInit:
         tokenizer: the policy's tokenizer directory (rollout engines).
         max_model_len: the longest prompt + response a rollout engine sees.
         colocated: a rollout engine shares its devices with a trainer.
+        memory_fraction: the share of each device the plan gives a rollout engine
+            (its weights, KV cache and buffers; 0: not planned, the backend's default).
         timeout_s: the longest a remote fetch may take.
     """
 
@@ -63,6 +65,7 @@ class EngineInit:
     tokenizer: str | None = None
     max_model_len: int = 0
     colocated: bool = False
+    memory_fraction: float = 0.0
     timeout_s: float = 600.0
 
     @property
@@ -154,6 +157,8 @@ class BackendInfo:
             absent here is one it cannot run on.
         requires: the module it needs installed (None: always there).
         install: how to install it.
+        rule: what it cannot execute about a layout beyond fixed fields (a
+            sentence, or None when it can).
     """
 
     name: Backend
@@ -163,6 +168,7 @@ class BackendInfo:
     limits: dict[str, dict[str, int]]
     requires: str | None = None
     install: str = ""
+    rule: Callable[[Layout], str | None] | None = None
 
     def runs_on(self, kind: str) -> bool:
         return kind in self.limits
@@ -173,8 +179,9 @@ class BackendInfo:
     def load(self) -> type:
         return getattr(importlib.import_module(self.module), self.cls)
 
-    def check(self, kind: str, layout: Layout, where: str) -> None:
-        """Raise a PlanError naming what this backend cannot execute about ``layout`` on ``kind`` devices."""
+    def check(self, kind: str, layout: Layout, where: str, *, here: bool = True) -> None:
+        """Raise a PlanError naming what this backend cannot execute about ``layout`` on
+        ``kind`` devices (and, ``here``, that it is not installed on this machine)."""
         if not self.runs_on(kind):
             on = " or ".join(f"{k.upper()}s" for k in self.limits)
             raise PlanError(
@@ -188,15 +195,32 @@ class BackendInfo:
                 f"{where}: the {self.name} backend executes {want} on {kind.upper()}s, the plan asks for {have}",
                 fix="re-plan within what the runtime executes (flowc plan … --for-run), or pin those fields",
             )
-        if not self.installed():
+        broken = self.rule(layout) if self.rule is not None else None
+        if broken:
+            raise PlanError(
+                f"{where}: the {self.name} backend {broken}",
+                fix="re-plan within what the runtime executes (flowc plan … --for-run)",
+            )
+        if here and not self.installed():
             raise PlanError(
                 f"{where} runs on {self.name}, which is not installed here", fix=self.install or f"install {self.requires}"
             )
 
 
 _MP = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
+
+
+def _fsdp2_rule(lay: Layout) -> str | None:
+    if lay.offload_optimizer and not lay.offload_params:
+        # CPUOffloadPolicy moves parameters, gradients and optimizer state together
+        return "offloads the optimizer state only together with the parameters (offload_params)"
+    return None
+
+
 BACKENDS: dict[str, BackendInfo] = {
-    "fsdp2": BackendInfo("fsdp2", "trainer", "flowc.runtime.backends.fsdp2", "Fsdp2Trainer", {"cpu": _MP, "gpu": _MP}),
+    "fsdp2": BackendInfo(
+        "fsdp2", "trainer", "flowc.runtime.backends.fsdp2", "Fsdp2Trainer", {"cpu": _MP, "gpu": _MP}, rule=_fsdp2_rule
+    ),
     "megatron": BackendInfo(
         "megatron",
         "trainer",
@@ -240,6 +264,16 @@ def backend(name: str) -> BackendInfo:
         return BACKENDS[name]
     except KeyError:
         raise PlanError(f"no backend named {name!r}", fix=f"backends: {', '.join(BACKENDS)}") from None
+
+
+def built_backend(engine: object) -> str:
+    """The registry name of the backend ``engine`` is an instance of (what was built,
+    not what was asked for)."""
+    cls = type(engine)
+    for b in BACKENDS.values():
+        if cls.__module__ == b.module and cls.__name__ == b.cls:
+            return b.name
+    return f"{cls.__module__}.{cls.__name__}"
 
 
 def rollout_backends(kind: str, *, installed: bool = True) -> tuple[str, ...]:

@@ -79,14 +79,8 @@ def _device() -> torch.device:
 
 
 def check_layout(arch: ModelSpec | None, layout: Layout, world: int) -> None:
-    """What this backend executes: the plan's degrees cover the pool, split the
-    model evenly, and use no context parallelism (it needs Transformer Engine's
-    attention, which flowc does not use yet)."""
-    if layout.cp > 1:
-        raise SpecError(
-            f"megatron backend: context parallelism (cp={layout.cp}) needs Transformer Engine's attention, which flowc does not use yet",
-            fix="pin cp=1 for this role (e.g. actor.train.cp=1)",
-        )
+    """The plan's degrees cover the pool and split the model evenly (the layout limits,
+    cp = 1 among them, are the registry's: ``BACKENDS['megatron']``)."""
     if layout.dp * layout.tp * layout.pp * layout.cp != world:
         raise SpecError(
             f"megatron layout dp({layout.dp})*tp({layout.tp})*pp({layout.pp})*cp({layout.cp}) != world({world})",
@@ -162,7 +156,13 @@ class MegatronTrainer:
         self.key, self.deg = init_parallel(layout, init.seed)
         self.critic = init.kind not in LM_KINDS  # a value head: critic, reward model
         model = build_model(
-            self.hf, self.arch, self.deg, dtype=init.torch_dtype, value_head=self.critic, cuda=torch.cuda.is_available()
+            self.hf,
+            self.arch,
+            self.deg,
+            dtype=init.torch_dtype,
+            value_head=self.critic,
+            cuda=torch.cuda.is_available(),
+            recompute=layout.activation_checkpointing,
         )
         state = to_megatron(HFCheckpoint(source), self.arch, self.deg, lm_head=not self.critic)
         missing, unexpected = model.load_state_dict(state, strict=False)

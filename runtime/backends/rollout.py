@@ -18,7 +18,7 @@ import torch
 from flowc.errors import SpecError
 from flowc.ir.functional import PromptBatch, Rollout
 from flowc.ir.sampling import SamplingParams
-from flowc.runtime.backends import EngineInit, RolloutBackend
+from flowc.runtime.backends import EngineInit, RolloutBackend, built_backend
 from flowc.runtime.batches import repeat_rows
 from flowc.runtime.modeling import rollout_tokenizer
 
@@ -99,4 +99,4 @@ class RolloutEngine:
         return self.b.sleep()
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.init.layout.backend, "dtype": self.init.dtype, "tp": self.init.layout.tp}
+        return {"backend": built_backend(self.b), "dtype": self.init.dtype, "tp": self.init.layout.tp}

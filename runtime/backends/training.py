@@ -28,7 +28,7 @@ from flowc.ir.functional import Rollout, kl
 from flowc.ir.losses import PREFERENCE_LOSSES, aggregate, denominator_kind, dpo_loss, policy_loss, value_loss
 from flowc.ir.ops import RoleKind
 from flowc.ir.run_config import OptimConfig
-from flowc.runtime.backends import Score, Trainer
+from flowc.runtime.backends import Score, Trainer, built_backend
 from flowc.runtime.batches import even_split, num_rows, slice_rows
 
 
@@ -153,7 +153,8 @@ class TrainEngine:
         whose outputs the controller does not keep."""
         width = r.response_ids.shape[1]
         parts, real = self.split(r, micro)
-        got = self.b.run(parts, real, lambda i, part, score: (None, {"out": score(False)}), train=False)
+        # each micro-batch's outputs leave the device as soon as they exist (the rest of the batch runs beside them)
+        got = self.b.run(parts, real, lambda i, part, score: (None, {"out": _host(score(False))}), train=False)
         if got is None:
             return None
         scores = self.init.kind == RoleKind.REWARD_MODEL
@@ -161,7 +162,7 @@ class TrainEngine:
         for n, part, g in zip(real, parts, got, strict=True):
             if n == 0:
                 continue
-            out = g["out"][:n].float().cpu()
+            out = g["out"][:n].float()
             if scores:  # a reward model scores a sequence at its last response token
                 last = (part.response_mask[:n].long().sum(-1) - 1).clamp(min=0)
                 outs.append(out.gather(1, last.unsqueeze(-1)).squeeze(-1))
@@ -252,9 +253,14 @@ class TrainEngine:
         pool, whether it trains, and the micro-batches its last op ran."""
         params = list(self.b.model.parameters())
         return {
-            "backend": self.init.layout.backend,
+            "backend": built_backend(self.b),
             "dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
             "sharded": any(hasattr(p, "to_local") for p in params),
             "trains": self.init.optim is not None,
             "micro_batches": self.micro_batches,
         }
+
+
+def _host(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A forward output in host memory (None: a rank whose outputs are not kept)."""
+    return None if x is None else x.detach().cpu()

@@ -123,7 +123,7 @@ class WeightReceiver:
 class VllmRollout:
     """Generation with the ``vllm`` backend."""
 
-    def __init__(self, init: EngineInit, *, gpu_memory_utilization: float = 0.5) -> None:
+    def __init__(self, init: EngineInit) -> None:
         for k, v in CPU_ENV.items():
             os.environ.setdefault(k, v)
         _quiet_vllm()
@@ -150,7 +150,8 @@ class VllmRollout:
             # what an external launcher (torchrun) would have set; Ray shows each worker only its own device
             os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(world), LOCAL_RANK="0")
         if cuda:
-            kw["gpu_memory_utilization"] = gpu_memory_utilization
+            # the plan's share of the device (its weights, KV cache, buffers); co-located roles hold the rest
+            kw["gpu_memory_utilization"] = init.memory_fraction or (0.5 if init.colocated else 0.9)
             kw["enable_sleep_mode"] = init.colocated
         self.llm = LLM(
             model=init.source,

@@ -113,6 +113,14 @@ def tp_worker(rank: int, world: int, init: str, out) -> None:
             err = float((t - hgrad[name]).abs().max() / hgrad[name].abs().max().clamp(min=1e-12))
             worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
     res["grad_rel_err"] = worst
+    # the layout's activation checkpointing: every layer recomputed in backward, the same gradients
+    ck = _engine(source, Layout(dp=1, tp=2, backend="megatron", activation_checkpointing=True))
+    res["recompute"] = ck.b.model.config.recompute_granularity
+    ck.b.model.train()
+    ck_logp, ck_ent = ck.b.score(ck.b.model(packed.ids, pos, packed.causal), r, packed, with_entropy=True)
+    ((ck_logp * w + 0.1 * ck_ent) * r.response_mask).sum().backward()
+    mine = dict(ck.b.model.named_parameters())
+    res["recompute_grad_err"] = max(float((mine[n].grad - p.grad).abs().max()) for n, p in own.items() if p.grad is not None)
     _stream_check(eng, source, res)
     # a reward model: the value head on the trunk, scored at each row's last response token
     from flowc.runtime.backends import EngineInit
@@ -241,6 +249,7 @@ def test_tensor_parallel_logprobs_gradients_and_weight_stream():
     assert res[0]["reward_err"] < 1e-5, res[0]  # the value head (reward models, critics) as the fsdp2 backend's
     for rank in (0, 1):
         assert res[rank]["grad_rel_err"] < 1e-4, res[rank]
+        assert res[rank]["recompute"] == "full" and res[rank]["recompute_grad_err"] < 1e-5, res[rank]
         assert res[rank]["stream_keys_equal"] and res[rank]["stream_bit_identical"]
     # every rank receives what its own shard lacks: the other tp half of the split weights
     for rank in (0, 1):

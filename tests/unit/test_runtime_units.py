@@ -133,6 +133,81 @@ def test_lowering_verifies_the_plan_and_refuses_what_the_runtime_does_not_execut
     with pytest.raises(VerificationError, match="degrees"):
         lower(edited(degrees))
 
+    def asleep(x):  # the planner's swap of co-located training state: not done by the runtime
+        x["roles"]["actor"]["phases"]["generate"]["sleeps_colocated"] = True
+
+    with pytest.raises(PlanError, match="asleep in host memory"):
+        lower(edited(asleep))
+
+    def optimizer_only_offload(x):  # FSDP2's CPUOffloadPolicy has no optimizer-only mode
+        lay = x["roles"]["actor"]["phases"]["train"]["layout"]
+        lay.update(backend="fsdp2", tp=1, pp=1, cp=1, ep=1, dp=8, fsdp=True, offload_optimizer=True, offload_params=False)
+
+    if d["roles"]["actor"]["phases"]["train"]["device_count"] == 8:
+        with pytest.raises(PlanError, match="only together with the parameters"):
+            lower(edited(optimizer_only_offload))
+
+
+def test_a_trained_roles_forward_phase_must_run_on_its_training_engine():
+    _, plan, _ = planned("ppo", "2x8xH100")
+    d = json.loads(plan.to_json())
+    fw, tr = d["roles"]["critic"]["phases"]["forward"], d["roles"]["critic"]["phases"]["train"]
+    assert fw["layout"] == tr["layout"] and fw["pool"] == tr["pool"]
+    fw["layout"]["micro_batch"] = tr["layout"]["micro_batch"] * 2
+    with pytest.raises(PlanError, match=r"critic\.forward is planned"):
+        lower(Plan.model_validate(d))
+
+
+def test_the_runtime_plans_never_sleep_colocated_state_and_fsdp2_offloads_all_or_nothing():
+    """Within the runtime's pins the planner does not offer what the runtime does not execute."""
+    g, plan, _ = planned("grpo", "1x8xH100", model="qwen2.5-72b")
+    c, m = ClusterSpec.parse("1x8xH100"), ModelSpec.resolve("qwen2.5-72b")
+    free, _, _ = make_plan(g, {"actor": m, "ref": m}, c, WorkloadSpec(prompts=64), Pins(), target=plan.target)
+    assert free.phase("actor", "generate").sleeps_colocated  # unrestricted, the planner swaps the 72B state out
+    for flow, model in (("grpo", "qwen2.5-72b"), ("ppo", "qwen2.5-32b")):
+        _, plan, _ = planned(flow, "1x8xH100", model=model)
+        for rp in plan.roles.values():
+            for ph in rp.phases.values():
+                assert not ph.sleeps_colocated
+                if ph.layout.backend == "fsdp2":
+                    assert ph.layout.offload_params or not ph.layout.offload_optimizer
+        lower(plan)
+
+
+def test_a_rollout_engine_gets_the_plans_share_of_the_device():
+    _, plan, _ = planned("grpo", "1x8xH100")
+    prog = lower(plan)
+    ge = plan.phase("actor", "generate")
+    (rollout,) = [e for g in prog.groups for e in g.engines if e.key.kind == "rollout"]
+    own = ge.memory.total - ge.memory.other_roles
+    assert 0.05 <= rollout.memory_fraction <= 0.95
+    assert rollout.memory_fraction == pytest.approx(min(0.95, max(0.05, own / ge.capacity_gb)), abs=1e-3)
+    assert all(e.memory_fraction == 0.0 for g in prog.groups for e in g.engines if e.key.kind != "rollout")
+
+
+def test_a_plan_for_a_remote_cluster_lowers_without_its_backends_installed_here(monkeypatch):
+    import importlib.util
+
+    _, plan, _ = planned("grpo", "1x8xH100")
+    assert plan.phase("actor", "generate").layout.backend == "vllm"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(PlanError, match="not installed here"):
+        lower(plan)
+    lower(plan, here=False)  # its workers import vllm themselves
+
+
+def test_generation_longer_than_the_plan_is_refused():
+    from flowc.errors import SpecError
+    from flowc.runtime.controller import check_response_lengths
+
+    _, plan, _ = planned("grpo", "1x8xH100")
+    prog = lower(plan)
+    check_response_lengths(prog, RunConfig())
+    too_long = RunConfig(sampling=SamplingParams(max_tokens=prog.workload.response_len + 1))
+    with pytest.raises(SpecError, match="response_len"):
+        check_response_lengths(prog, too_long)
+
 
 def test_rows_slice_join_repeat():
     x = torch.arange(12).view(6, 2)
