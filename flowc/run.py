@@ -90,7 +90,9 @@ def prepare(req: RunRequest) -> Prepared:
     builtin = req.data is None
     rewards, names = bind_rewards(g, req.rewards, (arith.exact_match, "flowc.tasks.arithmetic:exact_match") if builtin else None)
     plan, address, own = _plan(req, g, sources, out, builtin)
-    spec = RunSpec(lower(plan, here=address is None), _config(req, builtin), sources, tokenizer, data, eval_data, rewards, names, out)
+    spec = RunSpec(
+        lower(plan, here=address is None), _config(req, builtin), sources, tokenizer, data, eval_data, rewards, names, out
+    )
     return Prepared(spec, plan, address, own)
 
 
