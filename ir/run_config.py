@@ -50,6 +50,8 @@ class RunConfig(BaseModel):
             CPU, bfloat16 on GPU).
         timeout_s: the longest any remote call may take before the run fails.
         cpus_per_worker: CPUs each worker reserves (CPU clusters).
+        reward_timeout_s: the longest one call of a reward function may take (it runs in a
+            process of its own, killed when it overruns; the run then fails naming the step).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -65,6 +67,7 @@ class RunConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     timeout_s: float = Field(600.0, gt=0)
     cpus_per_worker: float = Field(1.0, gt=0)
+    reward_timeout_s: float = Field(120.0, gt=0)
 
     def optim_for(self, role: str) -> OptimConfig:
         return self.optim.get(role, self.default_optim)

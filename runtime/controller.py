@@ -25,7 +25,7 @@ from typing import Any
 import ray
 import torch
 
-from flowc.errors import DataError, RuntimeFailure, SpecError
+from flowc.errors import DataError, RuntimeFailure, SpecError, WorkerError
 from flowc.ir.functional import DEFAULT_KL_KIND, varied_groups
 from flowc.ir.graph import Node, ValueRef
 from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
@@ -36,9 +36,11 @@ from flowc.ir.targets import resolve
 from flowc.ir.verify import filter_region
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.batches import Sharded, assemble, cat_rows, even_split, minibatch_rows, num_rows, project, take_rows
-from flowc.runtime.data import Records, RewardFn, call_reward, tokenize_pairs, tokenize_prompts
+from flowc.runtime.checkpoint_io import verify_manifest, write_manifest
+from flowc.runtime.data import Records, RewardFn, tokenize_pairs, tokenize_prompts
 from flowc.runtime.program import EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step
 from flowc.runtime.ranks import output_ranks, replica_of
+from flowc.runtime.rewards import Rewards
 from flowc.runtime.worker import WorkerGroup
 
 UPDATE_TENSORS = ("advantages", "old_logprobs", "ref_logprobs", "returns", "old_values")
@@ -74,6 +76,7 @@ class Iteration:
     round: int
     prompts: list[str]  # the batch's prompt texts
     columns: dict[str, list[Any]]  # its other data columns
+    rows: list[int] = field(default_factory=list)  # the data rows drawn (for errors)
     env: dict[str, Any] = field(default_factory=dict)  # node → Sharded | Local
     metas: dict[str, list[Any]] = field(default_factory=dict)  # device node → refs of its metadata
     samples: dict[str, int] = field(default_factory=dict)  # generate node → n
@@ -102,6 +105,7 @@ class Controller:
         self.p = spec.program
         self.cfg = spec.config
         check_response_lengths(self.p, self.cfg)
+        self.rewards = Rewards(spec.rewards, spec.reward_names, self.cfg.reward_timeout_s)
         self.groups: dict[str, WorkerGroup] = {}
         self.tok = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.history: list[dict[str, Any]] = []
@@ -171,6 +175,7 @@ class Controller:
         return {name: wg.get(wg.call("describe"), "describe") for name, wg in self.groups.items()}
 
     def shutdown(self) -> None:
+        self.rewards.stop()
         for wg in self.groups.values():
             wg.shutdown()
         self.groups.clear()
@@ -232,10 +237,11 @@ class Controller:
     def _iteration(self, step: int, round_: int) -> Iteration:
         """The prompts of ``step`` (a fresh draw of its own for each filter round) and the other data columns."""
         seed = self.cfg.seed if round_ == 0 else f"{self.cfg.seed}/round{round_}"
-        rows = self.s.data.batch(step, self.p.workload.prompts, seed)
+        drawn = self.s.data.batch_indices(step, self.p.workload.prompts, seed)
+        rows = [self.s.data.rows[i] for i in drawn]
         key = self.s.data.prompt_key
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != key}
-        return Iteration(step, round_, [r[key] for r in rows], columns)
+        return Iteration(step, round_, [r[key] for r in rows], columns, rows=drawn)
 
     def _exec(self, st: Step, it: Iteration) -> None:
         handler = self._handlers.get(st.op)
@@ -275,8 +281,11 @@ class Controller:
         k = it.samples[src]
         cols = {c: [v for v in vals for _ in range(k)] for c, vals in it.columns.items()}
         ptext = [p for p in it.prompts for _ in range(k)]
-        name = self.s.reward_names.get(node.role, node.role)
-        it.env[st.node] = Local(call_reward(self.s.rewards[node.role], name, ptext, texts, cols))
+        where = (
+            f"step {it.step}{f' (filter round {it.round})' if it.round else ''}: {len(texts)} responses to "
+            f"{len(it.prompts)} prompts ({self.s.data.rows_named(it.rows)})"
+        )
+        it.env[st.node] = Local(self.rewards.score(node.role, ptext, texts, cols, where=where))
 
     def _compute(self, st: Step, node: Node, it: Iteration) -> None:
         fn = resolve(node.target)
@@ -470,10 +479,10 @@ class Controller:
         dpo = [st for st in self.p.steps_of(Op.UPDATE) if isinstance(self.p.graph[st.node].kwargs["loss"], PREFERENCE_LOSSES)]
         if dpo:
             return self._evaluate_pairs(dpo[0], data)
-        if not self.s.rewards:
+        if not self.rewards:
             return {}
         rows = data.head(self.cfg.eval_size)
-        role = next(iter(self.s.rewards))
+        role = next(iter(self.rewards))
         wg, e = self._group_of(self.p.steps_of(Op.GENERATE)[0].engine)
         prompts = tokenize_prompts(self.tok, [r[data.prompt_key] for r in rows], self.p.workload.prompt_len)
         src = Sharded((ray.put(prompts),), (len(rows),))
@@ -487,8 +496,7 @@ class Controller:
         out = self._generate_call(wg, e, src, args)
         texts = [t for m in wg.get([o[1] for o in out], "evaluation") for t in m["texts"]]
         cols = {k: [r[k] for r in rows] for k in rows[0] if k != data.prompt_key}
-        name = self.s.reward_names.get(role, role)
-        scores = call_reward(self.s.rewards[role], name, [r[data.prompt_key] for r in rows], texts, cols)
+        scores = self.rewards.score(role, [r[data.prompt_key] for r in rows], texts, cols, where=f"evaluation of {data.name}")
         return {
             "eval/reward": float(scores.mean()),
             "eval/accuracy": float((scores >= 1.0).float().mean()),
@@ -545,18 +553,36 @@ class Controller:
     def _trained(self) -> list[tuple[WorkerGroup, EngineSpec]]:
         return [(self.groups[g.name], e) for g in self.p.groups for e in g.engines if e.key.kind == EngineKind.TRAIN]
 
+    def clean_checkpoints(self) -> list[Path]:
+        """Remove what an interrupted save left behind (temporary folders and files); returns them."""
+        root = self.s.out_dir / "checkpoints"
+        left = [*root.glob(".tmp-*"), *root.glob(".latest.tmp")] if root.exists() else []
+        for p in left:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        return left
+
     def save(self, step: int, extra: dict[str, Any]) -> Path:
-        """Write a checkpoint atomically: into a temporary directory, then rename."""
+        """Write a checkpoint atomically: every rank's state (safetensors + JSON) and the
+        controller's into a temporary folder, a manifest of their sha256, then rename."""
         root = self.s.out_dir / "checkpoints"
         tmp = root / f".tmp-{step:06d}-{os.getpid()}"
         final = root / f"step-{step:06d}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        for wg, e in self._trained():
-            wg.get(wg.call("save", e.key, str(tmp)), f"saving {e.role}")
-        state = {"step": step, "metrics": self.history, **extra}
-        (tmp / "controller.json").write_text(json.dumps(state))
+        try:
+            tmp.mkdir(parents=True)
+            for wg, e in self._trained():
+                wg.get(wg.call("save", e.key, str(tmp)), f"saving {e.role}")
+            state = {"step": step, "metrics": self.history, **extra}
+            (tmp / "controller.json").write_text(json.dumps(state))
+            write_manifest(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+        except (OSError, WorkerError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            why = err.what if isinstance(err, WorkerError) else f"{type(err).__name__}: {err}"
+            raise DataError(
+                f"writing the checkpoint of step {step} in {root} failed ({why}); it was removed",
+                fix="free space there (or keep fewer checkpoints: keep_checkpoints in the run config)",
+            ) from err
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -575,7 +601,12 @@ class Controller:
         if not latest.exists():
             raise DataError(f"{run_dir} has no checkpoint to resume from", fix="resume a run directory written by flowc run")
         ckpt = root / latest.read_text().strip()
-        state = json.loads((ckpt / "controller.json").read_text())
+        if (ckpt / "manifest.json").exists() or not any(ckpt.glob("*.pt")):
+            verify_manifest(ckpt)  # every file whole, as written (an older flowc's .pt checkpoints have none)
+        try:
+            state = json.loads((ckpt / "controller.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(f"{ckpt}/controller.json is unreadable: {e}", fix="resume from an earlier checkpoint") from None
         for wg, e in self._trained():
             wg.get(wg.call("load", e.key, str(ckpt)), f"loading {e.role}")
         for st in self.p.steps_of(Op.WEIGHT_SYNC):  # the rollout engines get the restored weights
@@ -590,18 +621,4 @@ class Controller:
                 return
 
 
-def init_ray(address: str | None, *, temp_dir: str | None = None) -> bool:
-    """Connect to (address) or start (None: this machine) a Ray cluster; True when started here."""
-    if ray.is_initialized():
-        return False
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
-        return True
-    cpus = max(8, 2 * (os.cpu_count() or 1))
-    tmp = temp_dir or f"/tmp/flowc-ray-{os.getpid()}"
-    ray.init(num_cpus=cpus, include_dashboard=False, _temp_dir=tmp, runtime_env=env, log_to_driver=True)
-    return True
-
-
-__all__ = ["Controller", "Local", "RunSpec", "init_ray"]
+__all__ = ["Controller", "Local", "RunSpec"]

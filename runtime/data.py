@@ -27,6 +27,11 @@ class Records:
     rows: list[dict[str, Any]]
     name: str = "data"
     prompt_key: str = "prompt"
+    lines: list[int] | None = None  # each row's line (JSONL) or row number (Parquet) in its file, for errors
+
+    def where(self, i: int) -> str:
+        """``file:line`` of row ``i``."""
+        return f"{self.name}:{self.lines[i] if self.lines else i + 1}"
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -42,33 +47,46 @@ class Records:
 
     def batch(self, step: int, size: int, seed: int | str) -> list[dict[str, Any]]:
         """Rows of step ``step`` (0-based): consecutive slices of per-epoch permutations."""
-        out: list[dict[str, Any]] = []
+        return [self.rows[i] for i in self.batch_indices(step, size, seed)]
+
+    def batch_indices(self, step: int, size: int, seed: int | str) -> list[int]:
+        """The row numbers :meth:`batch` draws."""
+        out: list[int] = []
         pos = step * size
         while len(out) < size:
             epoch, offset = divmod(pos, len(self.rows))
             order = list(range(len(self.rows)))
             random.Random(f"{seed}:{epoch}").shuffle(order)
             take = min(size - len(out), len(self.rows) - offset)
-            out.extend(self.rows[i] for i in order[offset : offset + take])
+            out.extend(order[offset : offset + take])
             pos += take
         return out
+
+    def rows_named(self, indices: list[int], most: int = 4) -> str:
+        """``file:line`` of the first ``most`` of these rows, and how many more."""
+        shown = ", ".join(self.where(i) for i in indices[:most])
+        return shown + (f" and {len(indices) - most} more" if len(indices) > most else "")
 
     def head(self, size: int | None) -> list[dict[str, Any]]:
         return self.rows if size is None else self.rows[:size]
 
 
+def prompt_lengths(tok: Any, prompts: list[str]) -> list[int]:
+    """Each prompt's length in tokens, as :func:`tokenize_prompts` encodes it."""
+    return [len(x) for x in tok(prompts, truncation=False)["input_ids"]]
+
+
 def tokenize_prompts(tok: Any, prompts: list[str], max_len: int) -> PromptBatch:
     """Left-padded prompt ids ``[B, max_len]`` (an error names a prompt that is too long)."""
-    enc = tok(prompts, padding="max_length", max_length=max_len, truncation=False, return_tensors="pt")
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    if ids.shape[1] > max_len:
-        lens = mask.sum(-1)
-        i = int(torch.argmax(lens))
+    lens = prompt_lengths(tok, prompts)
+    if max(lens, default=0) > max_len:
+        i = max(range(len(lens)), key=lens.__getitem__)
         raise DataError(
-            f"prompt {prompts[i]!r} is {int(lens[i])} tokens, longer than the workload's prompt_len {max_len}",
-            fix=f"raise it: --workload prompt_len={int(lens.max())}",
+            f"prompt {prompts[i]!r} is {lens[i]} tokens, longer than the workload's prompt_len {max_len}",
+            fix=f"raise it: --workload prompt_len={lens[i]}",
         )
-    return PromptBatch(ids, mask.bool())
+    enc = tok(prompts, padding="max_length", max_length=max_len, truncation=False, return_tensors="pt")
+    return PromptBatch(enc["input_ids"], enc["attention_mask"].bool())
 
 
 def tokenize_pairs(

@@ -27,13 +27,8 @@ from flowc.runtime.backends import EngineInit, backend
 from flowc.runtime.backends.rollout import RolloutEngine
 from flowc.runtime.backends.training import TrainEngine
 from flowc.runtime.batches import Piece, assemble
+from flowc.runtime.checkpoint_io import load_legacy_pt, load_state, save_state
 from flowc.runtime.program import EngineKey
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def make_engine(init: EngineInit) -> TrainEngine | RolloutEngine:
@@ -66,20 +61,31 @@ class Worker:
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
 
     def port(self) -> int:
-        return free_port()
+        """A port for the rank-0 rendezvous store, bound on this node's address (not every
+        interface) and held open until :meth:`init_dist` hands the socket to the store."""
+        if self.world == 1:
+            return 0
+        self._store_socket = socket.create_server((ray.util.get_node_ip_address(), 0))
+        return int(self._store_socket.getsockname()[1])
 
     def init_dist(self, master: str, port: int, backend_name: str) -> bool:
         import torch.distributed as dist
 
         if self.world == 1:
             return True
-        dist.init_process_group(
-            backend_name,
-            init_method=f"tcp://{master}:{port}",
-            rank=self.rank,
-            world_size=self.world,
-            timeout=timedelta(seconds=self.timeout),
+        timeout = timedelta(seconds=self.timeout)
+        held = getattr(self, "_store_socket", None)
+        # rank 0 serves the store on the socket port() bound; left to itself, TCPStore listens on all interfaces
+        store = dist.TCPStore(
+            master,
+            port,
+            self.world,
+            is_master=self.rank == 0,
+            timeout=timeout,
+            **({"master_listen_fd": held.detach()} if self.rank == 0 and held is not None else {}),
         )
+        self._store_socket = None
+        dist.init_process_group(backend_name, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         return True
 
     def add_engine(self, key: EngineKey, init: EngineInit) -> str:
@@ -166,17 +172,21 @@ class Worker:
         return self.engines[key].logprobs(self._fetch(inputs["rollout"]))
 
     # ----------------------------------------------------------- checkpoint
-    def _state_file(self, key: EngineKey, path: str) -> str:
-        return os.path.join(path, f"{key.role}.{key.kind}.rank{self.rank}.pt")
+    def _stem(self, key: EngineKey, path: str) -> str:
+        return os.path.join(path, f"{key.role}.{key.kind}.rank{self.rank}")
 
-    def save(self, key: EngineKey, path: str) -> str:
+    def save(self, key: EngineKey, path: str) -> list[str]:
+        """This rank's state of ``key`` as safetensors + JSON (no pickle); the files written."""
         os.makedirs(path, exist_ok=True)
-        f = self._state_file(key, path)
-        torch.save(self.engines[key].state(), f)
-        return f
+        return save_state(self.engines[key].state(), self._stem(key, path))
 
     def load(self, key: EngineKey, path: str) -> bool:
-        self.engines[key].load_state(torch.load(self._state_file(key, path), weights_only=False))
+        """Load what :meth:`save` wrote (a checkpoint of an older flowc: its .pt file, never unpickling objects)."""
+        stem, eng = self._stem(key, path), self.engines[key]
+        if os.path.exists(stem + ".pt") and not os.path.exists(stem + ".json"):
+            eng.load_state(load_legacy_pt(stem + ".pt"))
+        else:
+            eng.load_state(load_state(stem, mesh=_mesh_of(eng)))
         return True
 
     def export_hf(self, key: EngineKey, path: str, tokenizer: str | None) -> bool:
@@ -189,6 +199,15 @@ class Worker:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         return True
+
+
+def _mesh_of(eng: Any) -> Any:
+    """The device mesh of an engine's sharded (DTensor) parameters, or None."""
+    model = getattr(getattr(eng, "b", None), "model", None)
+    for prm in model.parameters() if model is not None else ():
+        if hasattr(prm, "device_mesh"):
+            return prm.device_mesh
+    return None
 
 
 class WorkerGroup:
@@ -229,8 +248,8 @@ class WorkerGroup:
             out = ray.get(lst, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError as e:
             raise WorkerTimeout(
-                f"{what} on worker group {self.name} ({self.roles}) did not finish within {self.timeout:.0f} s",
-                fix="raise timeout_s in the run config, or look for a hung worker",
+                f"{what} on worker group {self.name} ({self.roles}) did not finish within {self.timeout:.0f} s{self._silent(lst)}",
+                fix="raise timeout_s in the run config, or look for a hung or stopped worker (its pid is in placement.json)",
             ) from e
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
             rank = _rank_of(e, lst, self)
@@ -247,6 +266,14 @@ class WorkerGroup:
                 f"{what} failed on worker group {self.name} ({self.roles}){rank}: {type(cause).__name__}: {cause}"
             ) from e
         return out[0] if single else out
+
+    def _silent(self, refs: list[Any]) -> str:
+        """Which ranks have not answered (when ``refs`` holds one call per rank)."""
+        if len(refs) != len(self.workers):
+            return ""
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+        late = [i for i, r in enumerate(refs) if r in pending]
+        return f": rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} of {len(refs)} did not answer" if late else ""
 
     def call(self, method: str, *args: Any, per_rank: list[tuple] | None = None, num_returns: int = 1) -> list[Any]:
         """Call ``method`` on every worker (with per-rank arguments when given); returns refs."""
