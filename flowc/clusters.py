@@ -63,11 +63,36 @@ def cluster_of(nodes: list[dict[str, Any]], address: str, device: str | None = N
     return ClusterSpec(device="cpu", nodes=len(alive), devices_per_node=max(cpus, 1), name=name), False
 
 
+def check_address(address: str, *, wait_s: float = 5.0) -> None:
+    """``address`` is a Ray address (``HOST:PORT``, ``ray://HOST:PORT`` or ``auto``) that
+    answers within ``wait_s`` (a TCP connect to its port), or a SpecError says which part fails."""
+    if address == "auto":
+        return
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SpecError(
+            f"--cluster {address!r} is neither local, local:N nor a Ray address",
+            fix="give local (this machine), local:N (N workers here), HOST:PORT of a Ray head (e.g. 10.0.0.1:6379) or auto",
+        )
+    import socket
+
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=wait_s):
+            pass
+    except OSError as e:
+        raise SpecError(
+            f"no Ray cluster answers at {address} within {wait_s:g} s ({e.strerror or e})",
+            fix="start one there (ray start --head --port PORT) or check the address; --cluster local runs on this machine",
+        ) from None
+
+
 def join(address: str, device: str | None = None) -> tuple[ClusterSpec, bool]:
     """Join the Ray cluster at ``address`` and read it."""
     import ray
 
-    from flowc.runtime.controller import init_ray
+    from flowc.runtime.ray_session import init_ray
 
+    check_address(address)
     init_ray(address)
     return cluster_of(ray.nodes(), address, device)

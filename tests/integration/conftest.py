@@ -9,12 +9,12 @@ import pytest
 def ray_cluster():
     import ray
 
-    from flowc.runtime.controller import init_ray
+    from flowc.runtime.ray_session import init_ray, shutdown_ray
 
     started = init_ray(None)
     yield ray
     if started:
-        ray.shutdown()
+        shutdown_ray()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,14 +29,10 @@ def _ray(*args: str, env: dict) -> None:
 
 
 def _stop(temp_dir: str) -> None:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    for line in out.splitlines()[1:]:
-        pid, _, cmd = line.strip().partition(" ")
-        if temp_dir in cmd:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+    """Every process of the two nodes (named by the folder or holding files in it), then the folder."""
+    from flowc.runtime.reaper import reap
+
+    reap(temp_dir)
 
 
 @pytest.mark.slow
