@@ -2,7 +2,7 @@
 
 Every command prints a :class:`~flowc.errors.FlowcError` as ``file:line:
 what`` plus a ``fix:`` line, without a traceback, and exits with status 1.
-Set ``FLOWC_TRACEBACK=1`` to see the Python traceback as well.
+``flowc -v …`` (or ``FLOWC_TRACEBACK=1``) shows the Python traceback as well.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -42,8 +43,13 @@ def _root(
     version: Annotated[
         bool | None, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="On an error, print the Python traceback too (for bug reports).")
+    ] = False,
 ) -> None:
     """flowc: write an RL algorithm as a @flow; trace it, plan it, run it."""
+    if verbose:
+        os.environ["FLOWC_TRACEBACK"] = "1"
 
 
 class GraphFormat(str, Enum):
@@ -215,7 +221,10 @@ def export(
 
 @app.command()
 def run(
-    file: FileArg,
+    file: Annotated[
+        str | None,
+        typer.Argument(help="A Python file with one @fc.flow, or FILE:NAME (with --resume: optional).", metavar="FILE"),
+    ] = None,
     overrides: OverridesArg = None,
     model: ModelOpt = None,
     data: Annotated[
@@ -239,9 +248,17 @@ def run(
         str | None, typer.Option("--plan", help="Run this saved plan (plan.json) unchanged, instead of planning.")
     ] = None,
     workload: WorkloadOpt = None,
-    steps: Annotated[int | None, typer.Option("--steps", "-n", help="Iterations to run (default: the config's, 100).")] = None,
+    steps: Annotated[
+        int | None, typer.Option("--steps", "-n", min=1, help="Iterations to run (default: the config's, 100).")
+    ] = None,
     out: Annotated[str | None, typer.Option("--out", "-o", help="Run directory (default runs/FLOW-TIME).")] = None,
-    resume: Annotated[str | None, typer.Option("--resume", help="A run directory to continue from its last checkpoint.")] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option("--resume", help="A run directory to continue from its last checkpoint, with the options it recorded."),
+    ] = None,
+    override: Annotated[
+        bool, typer.Option("--override", help="With --resume: let the options given change what the run recorded.")
+    ] = False,
     rollout: Annotated[
         str | None, typer.Option("--rollout", help="Generation backend: vllm (default where installed) or hf.")
     ] = None,
@@ -255,33 +272,52 @@ def run(
     """Plan the flow for this cluster and train it; writes runs/<name>/."""
     from flowc.ir.run_config import RunConfig
     from flowc.loader import load_flow
-    from flowc.run import RunRequest
+    from flowc.run import RunRequest, given_options, resume_request
     from flowc.run import run as do_run
 
+    if file is None and resume is None:
+        raise FlowcError("flowc run needs a flow file", fix="flowc run FILE [NAME=VALUE]… (or --resume RUN_DIR)")
+    if override and resume is None:
+        raise FlowcError("--override changes a resumed run's options; there is no --resume", fix="drop --override")
     cfg, front = RunConfig.load(config) if config else (RunConfig(), {})
-    fl = load_flow(file)
-    words = list(overrides or [])
-    hyper = {**front.get("hyperparams", {}), **fl.parse_overrides(words)}
+    fl = load_flow(file) if file is not None else None
+    if fl is None and overrides:
+        raise FlowcError(
+            "hyperparameter overrides need the flow file", fix="flowc run FILE NAME=VALUE… --resume RUN_DIR --override"
+        )
+    hyper = {**front.get("hyperparams", {}), **(fl.parse_overrides(overrides or []) if fl is not None else {})}
     models = {**front.get("model", {}), **_pairs(model, "--model")}
     rewards = {**front.get("reward", {}), **_pairs(reward, "--reward")}
-    req = RunRequest(
-        flow=fl,
+    given = dict(
         overrides=hyper,
         models=models,
         data=data or front.get("data"),
         eval_data=eval_data or front.get("eval_data"),
         rewards=rewards,
         cluster=front.get("cluster", cluster) if cluster == "local" else cluster,
+        device=device or front.get("device"),
         workload=workload or front.get("workload"),
         steps=steps,
-        out=out or front.get("out"),
-        resume=resume,
         rollout=rollout or front.get("rollout"),
         pins=list(pin or []),
-        config=cfg,
         plan_file=plan_file or front.get("plan"),
-        device=device or front.get("device"),
     )
+    if resume is not None and (Path(resume) / "run.json").exists():
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise FlowcError(f"--out {out} with --resume {resume}: a resumed run writes to its own folder", fix="drop --out")
+        normal = {**given, "cluster": given["cluster"] if given["cluster"] != "local" else None}
+        req = resume_request(resume, given_options(flow=fl, config=cfg if config else None, **normal), override=override)
+    else:  # a new run (or, with --override, a folder written before run.json existed)
+        if fl is None:
+            raise FlowcError(
+                f"{resume} has no run.json to read the flow from", fix="give the flow file: flowc run FILE … --resume"
+            )
+        req = RunRequest(flow=fl, out=out or front.get("out"), resume=resume, config=cfg, **given)  # type: ignore[arg-type]
+        if resume is not None and not override:
+            raise FlowcError(
+                f"{resume} has no run.json: flowc cannot tell which options the run used",
+                fix=f"give them all again and add --override: flowc run FILE … --resume {resume} --override",
+            )
     path = do_run(req, progress=not quiet)
     err_console.print(f"run written to {path} (metrics.jsonl, plan.html, final/); draw it with: flowc report {path}")
 
@@ -316,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("FLOWC_TRACEBACK"):
             raise
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, highlight=False)
-        sys.exit(1)
+        sys.exit(getattr(e, "exit_code", 1))
 
 
 if __name__ == "__main__":  # pragma: no cover

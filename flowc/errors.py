@@ -153,6 +153,14 @@ class WorkerTimeout(RuntimeFailure):
     """A remote call did not answer within its timeout."""
 
 
+class Interrupted(RuntimeFailure):
+    """A signal stopped the run; ``exit_code`` is 128 + the signal's number (130: SIGINT, 143: SIGTERM)."""
+
+    def __init__(self, what: str, *, exit_code: int, fix: str | None = None) -> None:
+        super().__init__(what, fix=fix)
+        self.exit_code = exit_code
+
+
 class DataError(RuntimeFailure):
     """User data or a user-supplied function is unusable."""
 

@@ -4,7 +4,9 @@ policy's tokenizer) and the prompt data."""
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,26 +112,144 @@ def model_sources(g: FlowGraph, given: dict[str, str], out: Path) -> tuple[dict[
 
 
 # --------------------------------------------------------------------- data
-def load_rows(path: str) -> list[dict[str, Any]]:
-    """Rows of a JSONL or Parquet file."""
+def load_rows(path: str) -> Records:
+    """The rows of a JSONL or Parquet file, each a JSON object (an error names the file and
+    line of the first that is not one, or is not UTF-8 text)."""
     p = Path(path)
-    if not p.exists():
-        raise DataError(f"data file {path} does not exist")
+    if not p.is_file():
+        raise DataError(f"data file {path} does not exist", fix="give the path of a .jsonl or .parquet file")
     if p.suffix in (".jsonl", ".json"):
-        rows = []
-        for i, line in enumerate(p.read_text().splitlines(), 1):
-            if not line.strip():
+        rows, lines = [], []
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise DataError(f"cannot read data file {path}: {e}") from None
+        for i, line in enumerate(raw.split(b"\n"), 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{i}: not UTF-8 text ({e.reason} at byte {e.start} of the line)", fix="re-encode the file as UTF-8"
+                ) from None
+            if not text.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(text)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i}: not a JSON object: {e}") from e
-        return rows
+                raise DataError(f"{path}:{i}: not JSON: {e}", fix="write one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise DataError(
+                    f"{path}:{i}: a JSON {type(row).__name__} where a row (a JSON object) belongs",
+                    fix='write one object per line, e.g. {"prompt": "…", "answer": "…"}',
+                )
+            rows.append(row)
+            lines.append(i)
+        return Records(rows, path, lines=lines)
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(p).to_pylist()
-    raise DataError(f"data file {path} is neither .jsonl nor .parquet")
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as e:
+            raise DataError(f"{path} is not a readable Parquet file: {e}") from None
+        return Records(rows, path)
+    raise DataError(f"data file {path} is neither .jsonl nor .parquet", fix="convert it to JSONL (one JSON object per line)")
+
+
+def required_columns(fn: Callable[..., Any]) -> list[str]:
+    """The data columns a reward function cannot run without: its parameters after
+    (prompts, responses) that have no default (none when it takes ``**columns``)."""
+    params = list(inspect.signature(fn).parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return []
+    rest = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][2:]
+    return [p.name for p in rest if p.default is p.empty]
+
+
+def check_rows(
+    d: Records,
+    tok: Any,
+    *,
+    prompt_len: int,
+    response_len: int,
+    preferences: bool,
+    rewards: dict[str, tuple[Callable[..., Any], str]],
+) -> None:
+    """Every row of ``d`` can be used, before the first step: its prompt (and a pair's chosen
+    and rejected responses) is text, fits the workload's lengths, and it has every column a
+    reward reads. The error names the file and line of the first row that fails."""
+    text_cols = [d.prompt_key, *(("chosen", "rejected") if preferences else ())]
+    needs = {c: f"the flow's {'preference pairs' if c != d.prompt_key else 'prompts'}" for c in text_cols}
+    for role, (fn, name) in rewards.items():
+        for c in required_columns(fn):
+            needs.setdefault(c, f"reward {role} ({name}) reads it")
+    for i, row in enumerate(d.rows):
+        for c, why in needs.items():
+            if c not in row:
+                raise DataError(
+                    f"{d.where(i)}: the row has no {c!r} column, which {why} (its columns: {', '.join(row) or 'none'})",
+                    fix=f"give every row a {c!r}",
+                )
+        for c in text_cols:
+            if not isinstance(row[c], str):
+                kind = "a list of chat messages" if isinstance(row[c], list) else f"a {type(row[c]).__name__}"
+                raise DataError(
+                    f"{d.where(i)}: {c!r} is {kind}, not text",
+                    fix="give it as a string (chat-format prompts are not supported yet)",
+                )
+    _check_lengths(d, [r[d.prompt_key] for r in d.rows], tok, prompt_len, "prompt", "prompt_len", eos=False)
+    if preferences:
+        for c in ("chosen", "rejected"):
+            _check_lengths(d, [r[c] for r in d.rows], tok, response_len, f"{c!r} response", "response_len", eos=True)
+
+
+def check_data(
+    g: FlowGraph,
+    datasets: list[Records | None],
+    tokenizer: str,
+    workload: dict[str, Any],
+    rewards: dict[str, Callable[..., Any]],
+    names: dict[str, str],
+) -> None:
+    """:func:`check_rows` on every dataset of a run, with the policy's tokenizer and the plan's workload."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    preferences = reads_preferences(g)
+    bound = {r: (fn, names.get(r, r)) for r, fn in rewards.items()}
+    for d in datasets:
+        if d is not None:
+            check_rows(
+                d,
+                tok,
+                prompt_len=int(workload["prompt_len"]),
+                response_len=int(workload["response_len"]),
+                preferences=preferences,
+                rewards=bound,
+            )
+
+
+def _check_lengths(d: Records, texts: list[str], tok: Any, limit: int, what: str, knob: str, *, eos: bool) -> None:
+    from flowc.runtime.data import prompt_lengths
+
+    lens = (
+        [n + 1 for n in (len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])]
+        if eos
+        else prompt_lengths(tok, texts)
+    )
+    over = [i for i, n in enumerate(lens) if n > limit]
+    if over:
+        i, worst = over[0], max(lens)
+        raise DataError(
+            f"{d.where(i)}: the {what} is {lens[i]} tokens{' with EOS' if eos else ''}, longer than the workload's {knob} "
+            f"{limit} ({len(over)} of {len(d)} rows are; the longest is {worst})",
+            fix=f"plan for them: --workload {knob}={worst}, or shorten those rows",
+        )
+
+
+def reads_preferences(g: FlowGraph) -> bool:
+    """The flow's input is preference pairs (``fc.Preferences``), not prompts."""
+    return any(n.op == "input" and n.kwargs.get("kind") == "preferences" for n in g.nodes)
 
 
 def load_data(g: FlowGraph, data: str | None, eval_data: str | None) -> tuple[Records, Records | None]:
@@ -137,13 +257,13 @@ def load_data(g: FlowGraph, data: str | None, eval_data: str | None) -> tuple[Re
     (prompts, or preference pairs when the flow reads ``fc.Preferences``)."""
     from flowc.tasks import arithmetic as arith
 
-    preferences = any(n.op == "input" and n.kwargs.get("kind") == "preferences" for n in g.nodes)
+    preferences = reads_preferences(g)
     if data is None:
         train_p, eval_p = arith.split()
         rows_of = arith.preference_records if preferences else arith.records
         return Records(rows_of(train_p), "built-in arithmetic"), Records(rows_of(eval_p), "built-in arithmetic (held out)")
-    train = Records(load_rows(data), data)
-    held = Records(load_rows(eval_data), eval_data) if eval_data else None
+    train = load_rows(data)
+    held = load_rows(eval_data) if eval_data else None
     if preferences:
         for d in (train, held):
             missing = [c for c in ("chosen", "rejected") if d is not None and c not in d.rows[0]]

@@ -64,3 +64,9 @@ __all__ = [
     "varied_groups",
     "whiten",
 ]
+
+
+def __getattr__(name: str) -> object:
+    from flowc.roles import suggest
+
+    raise AttributeError(f"fc.ops has no {name!r}{suggest(name, __all__)}; it has {', '.join(__all__)}")

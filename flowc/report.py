@@ -9,7 +9,9 @@ is always in view).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 from flowc.errors import DataError
 
@@ -18,7 +20,25 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     p = Path(run_dir) / "metrics.jsonl"
     if not p.exists():
         raise DataError(f"{run_dir} has no metrics.jsonl", fix="give a directory written by flowc run")
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return read_metrics(p)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The lines of a metrics.jsonl; a torn last line (the run was killed while writing it)
+    is dropped with a warning, a damaged line elsewhere is an error naming it."""
+    lines = path.read_text(errors="replace").splitlines()
+    out = []
+    for i, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            out.append(json.loads(ln))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                print(f"warning: {path}:{i}: dropped a torn last line (the run stopped while writing it)", file=sys.stderr)
+                continue
+            raise DataError(f"{path}:{i}: not a JSON line: {e}", fix="repair or delete that line") from None
+    return out
 
 
 def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:

@@ -16,22 +16,26 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flowc.errors import FlowcError, SpecError
+from flowc.errors import FlowcError, Interrupted, SpecError
 from flowc.flows import Flow
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
+from flowc.report import read_metrics
+from flowc.run_record import RunRecord, absolute, absolute_model, absolute_reward, input_hashes
 
 if TYPE_CHECKING:
     from flowc.runtime.controller import RunSpec
@@ -60,6 +64,102 @@ class RunRequest:
     config: RunConfig
     plan_file: str | None = None  # a saved plan to run unchanged
     device: str | None = None  # the GPU type of a Ray cluster whose type Ray does not report
+    record: RunRecord | None = None  # a resumed run's record (run.json), as this resume changes it
+
+
+def record_of(req: RunRequest, config: RunConfig) -> RunRecord:
+    """The run.json of a run started from ``req`` with its settings ``config``."""
+    rec = RunRecord(
+        flow=f"{Path(req.flow.file).resolve()}:{req.flow.name}",
+        overrides=req.overrides,
+        models={r: absolute_model(m) for r, m in req.models.items()},
+        data=absolute(req.data),
+        eval_data=absolute(req.eval_data),
+        rewards={r: absolute_reward(s) for r, s in req.rewards.items()},
+        cluster=req.cluster,
+        device=req.device,
+        workload=req.workload,
+        steps=config.steps,
+        rollout=req.rollout,
+        pins=req.pins,
+        config=req.config.model_dump(mode="json", exclude_unset=True),
+        plan_file=absolute(req.plan_file),
+    )
+    return rec.model_copy(update={"inputs": input_hashes(rec)})
+
+
+def given_options(
+    *,
+    flow: Flow | None = None,
+    overrides: dict[str, Any] | None = None,
+    models: dict[str, str] | None = None,
+    data: str | None = None,
+    eval_data: str | None = None,
+    rewards: dict[str, str] | None = None,
+    cluster: str | None = None,
+    device: str | None = None,
+    workload: str | None = None,
+    steps: int | None = None,
+    rollout: str | None = None,
+    pins: list[str] | None = None,
+    config: RunConfig | None = None,
+    plan_file: str | None = None,
+) -> dict[str, Any]:
+    """The options a command gave (None: not given), normalised as run.json records them."""
+    return {
+        "flow": f"{Path(flow.file).resolve()}:{flow.name}" if flow is not None else None,
+        "overrides": overrides or None,
+        "models": {r: absolute_model(m) for r, m in models.items()} if models else None,
+        "data": absolute(data),
+        "eval_data": absolute(eval_data),
+        "rewards": {r: absolute_reward(s) for r, s in rewards.items()} if rewards else None,
+        "cluster": cluster,
+        "device": device,
+        "workload": workload,
+        "steps": steps,
+        "rollout": rollout,
+        "pins": pins or None,
+        "config": config.model_dump(mode="json", exclude_unset=True) if config is not None else None,
+        "plan_file": absolute(plan_file),
+    }
+
+
+def resume_request(run_dir: str, given: dict[str, Any], *, override: bool) -> RunRequest:
+    """The request that continues the run in ``run_dir``: its run.json, with the options
+    ``given`` where they only say where and how long it runs; a contradiction is refused
+    (each listed) unless ``override``."""
+    from flowc.loader import load_flow
+
+    rec = RunRecord.read(Path(run_dir))
+    wrong = rec.contradictions(given) + rec.changed_inputs()
+    if wrong and not override:
+        raise SpecError(
+            f"this command contradicts the run in {run_dir}: " + "; ".join(wrong),
+            fix=f"continue it as it was: flowc run --resume {run_dir} (add --steps N to change its length), "
+            "or pass --override to change it",
+        )
+    have = rec.options()
+    changed = {k: v for k, v in given.items() if v is not None and v != have[k]}
+    rec = rec.resumed(changed)
+    return RunRequest(
+        flow=load_flow(rec.flow),
+        overrides=rec.overrides,
+        models=rec.models,
+        data=rec.data,
+        eval_data=rec.eval_data,
+        rewards=rec.rewards,
+        cluster=rec.cluster,
+        workload=rec.workload,
+        steps=rec.steps,
+        out=run_dir,
+        resume=run_dir,
+        rollout=rec.rollout,
+        pins=rec.pins,
+        config=rec.run_config(),
+        plan_file=rec.plan_file,
+        device=rec.device,
+        record=rec,
+    )
 
 
 @dataclass
@@ -76,20 +176,21 @@ class Prepared:
 # ---------------------------------------------------------------------- run
 def prepare(req: RunRequest) -> Prepared:
     """Trace, read the inputs, compile (or check) the plan and lower it."""
-    from flowc.inputs import load_data, model_sources
+    from flowc.inputs import check_data, load_data, model_sources
     from flowc.rewards import bind_rewards
     from flowc.runtime.controller import RunSpec
     from flowc.runtime.program import lower
     from flowc.tasks import arithmetic as arith
 
     g = req.flow.trace(**req.overrides)
-    out = Path(req.resume or req.out or f"runs/{g.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _run_dir(Path(req.resume or req.out or f"runs/{g.name}-{time.strftime('%Y%m%d-%H%M%S')}"))
     sources, tokenizer = model_sources(g, req.models, out)
     data, eval_data = load_data(g, req.data, req.eval_data)
     builtin = req.data is None
     rewards, names = bind_rewards(g, req.rewards, (arith.exact_match, "flowc.tasks.arithmetic:exact_match") if builtin else None)
     plan, address, own = _plan(req, g, sources, out, builtin)
+    check_data(g, [data, eval_data], tokenizer, plan.workload, rewards, names)  # every row, before the first step
+    _check_space(out, plan, req.config.keep_checkpoints)
     spec = RunSpec(
         lower(plan, here=address is None), _config(req, builtin), sources, tokenizer, data, eval_data, rewards, names, out
     )
@@ -102,17 +203,28 @@ def _plan(req: RunRequest, g: FlowGraph, sources: dict[str, str], out: Path, bui
     from flowc.compile import check_saved, compile_plan, saved_conflicts
     from flowc.planning import read_plan
 
-    saved_path = (
-        Path(req.plan_file) if req.plan_file else (out / "plan.json" if req.resume and (out / "plan.json").exists() else None)
-    )
+    own = req.resume is not None and (out / "plan.json").exists()  # a resume runs on the run's own plan
+    saved_path = out / "plan.json" if own else (Path(req.plan_file) if req.plan_file else None)
     if saved_path is not None:
         plan = read_plan(saved_path)
-        what = f"the saved plan {saved_path}"
+        what = f"the run's plan {saved_path}" if own else f"the saved plan {saved_path}"
         check_saved(plan, g, sources, what=what)
-        wrong = saved_conflicts(plan, workload=req.workload, pins=req.pins, rollout=req.rollout, config=req.config)
+        # a resume recorded its options with the plan: only what --override changed can contradict it
+        if own and req.record is not None:
+            opts = req.record.resumes[-1].get("override", {}) if req.record.resumes else {}
+        else:
+            opts = vars(req)
+        wrong = saved_conflicts(
+            plan,
+            workload=opts.get("workload"),
+            pins=list(opts.get("pins") or []),
+            rollout=opts.get("rollout"),
+            config=_as_config(opts.get("config")),
+        )
         if wrong:
-            raise SpecError(f"options contradict {what}: {'; '.join(wrong)}", fix="drop them (the plan decides), or plan again")
-        return plan, _join(req, plan.cluster_spec()), req.plan_file is None
+            fix = "start a new run to change what the plan decided" if own else "drop them (the plan decides), or plan again"
+            raise SpecError(f"options contradict {what}: {'; '.join(wrong)}", fix=fix)
+        return plan, _join(req, plan.cluster_spec()), own
     cluster, address = _cluster(req)
     wl = WorkloadSpec.parse(req.workload or (BUILTIN_WORKLOAD if builtin else USER_WORKLOAD))
     plan = compile_plan(
@@ -127,6 +239,45 @@ def _plan(req: RunRequest, g: FlowGraph, sources: dict[str, str], out: Path, bui
         here=address is None,
     )
     return plan, address, False
+
+
+def _run_dir(out: Path) -> Path:
+    """The run folder, created and shown to be writable."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".flowc-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SpecError(
+            f"cannot write the run folder {out}: {e.strerror or e}", fix="choose another --out, or fix its permissions"
+        ) from None
+    return out
+
+
+def checkpoint_bytes(plan: Plan) -> float:
+    """What one checkpoint of ``plan`` takes on disk: every trained role's fp32 weights and
+    Adam's two moments (12 bytes a parameter)."""
+    return sum(12.0 * rp.params_b * 1e9 for rp in plan.roles.values() if "train" in rp.phases)
+
+
+def _check_space(out: Path, plan: Plan, keep: int) -> None:
+    """Room for the checkpoints the run keeps, one being written, and the exported policy."""
+    import shutil
+
+    one = checkpoint_bytes(plan)
+    need = (keep + 1) * one + 4.0 * max((rp.params_b * 1e9 for rp in plan.roles.values()), default=0.0)
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise SpecError(
+            f"{out} has {free / 1e9:.1f} GB free; the run needs about {need / 1e9:.1f} GB "
+            f"({keep + 1} checkpoints of {one / 1e9:.1f} GB and the exported policy)",
+            fix="free space there, choose another --out, or keep fewer checkpoints (keep_checkpoints in the run config)",
+        )
+
+
+def _as_config(c: RunConfig | dict[str, Any] | None) -> RunConfig:
+    return c if isinstance(c, RunConfig) else RunConfig.model_validate(c or {})
 
 
 def _cluster(req: RunRequest) -> tuple[ClusterSpec, str | None]:
@@ -167,7 +318,9 @@ def _config(req: RunRequest, builtin: bool) -> RunConfig:
         cfg = cfg.model_copy(update={"steps": BUILTIN_STEPS})
     if builtin and "eval_every" not in cfg.model_fields_set:
         cfg = cfg.model_copy(update={"eval_every": BUILTIN_EVAL_EVERY})
-    if req.steps:
+    if req.steps is not None:
+        if req.steps < 1:
+            raise SpecError(f"--steps {req.steps}: a run takes at least one step", fix="give --steps N with N >= 1")
         cfg = cfg.model_copy(update={"steps": req.steps})
     return cfg
 
@@ -192,8 +345,9 @@ class MetricsLog:
         if resume_step == 0 and self.path.exists():
             self.path.unlink()
         elif self.path.exists():  # keep what was written up to the checkpoint
-            kept = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(k + "\n" for k in kept))
+            self.path.write_text(
+                "".join(json.dumps(m) + "\n" for m in read_metrics(self.path) if m.get("step", 0) <= resume_step)
+            )
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -217,74 +371,167 @@ class MetricsLog:
 
 
 def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, Any]], None] | None = None) -> Path:
-    """Run to the last step; returns the run directory."""
+    """Run to the last step; returns the run directory.
+
+    SIGINT (Ctrl-C) and SIGTERM (``timeout``, Slurm, Kubernetes) stop the run at the next step
+    boundary, after a checkpoint of that step, with :class:`Interrupted` (exit code 130 or 143);
+    a second signal aborts at once (the last finished checkpoint stays intact)."""
     import ray
 
-    from flowc.runtime.controller import Controller, init_ray
+    from flowc.runtime.controller import Controller
+    from flowc.runtime.ray_session import init_ray, shutdown_ray
 
     p = prepare(req)
     spec, out = p.run, p.run.out_dir
     write_plan(p)
+    (req.record or record_of(req, spec.config)).write(out)
     ctl = Controller(spec)  # checks the run config against the program before Ray starts
+    ctl.clean_checkpoints()  # what an earlier run left half-written
     started = init_ray(p.address) if not ray.is_initialized() else False
-    start_step = 0
+    stop = _Stop()
+    resume = f"flowc run --resume {out}"
     log: MetricsLog | None = None
-    # Ctrl-C asks for a stop at the next step boundary (no Ray call is cut in half); a second one aborts
-    stops = [0]
-
-    def _on_sigint(signum: int, frame: Any) -> None:
-        stops[0] += 1
-        if stops[0] > 1:
-            raise KeyboardInterrupt
-        print("\nCtrl-C: stopping after the current step (press it again to abort now)", file=sys.stderr, flush=True)
-
-    prev_handler = None
-    if threading.current_thread() is threading.main_thread():
-        prev_handler = signal.signal(signal.SIGINT, _on_sigint)
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a stuck run is
     try:
-        ctl.start()
-        (out / "placement.json").write_text(json.dumps(ctl.placement, indent=2))
-        if req.resume:
-            state = ctl.restore(out)
-            start_step = int(state["step"])
-        log = MetricsLog(out, start_step)
-        cfg = spec.config
-        bar = _Progress(cfg.steps, start_step, enabled=progress)
-        with bar:
-            if start_step == 0 and cfg.eval_every:
-                first = {"step": 0, **ctl.evaluate()}
-                log.write(first)
-                ctl.history.append(first)
-            for step in range(start_step, cfg.steps):
-                m = ctl.run_step(step)
-                if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                    m.update(ctl.evaluate())
-                log.write(m)
-                ctl.history.append({k: v for k, v in m.items() if k not in ("measured_s", "predicted_s")})
-                bar.update(m)
-                if on_step is not None:
-                    on_step(m)
-                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                    ctl.save(step + 1, {"seed": cfg.seed, "data_position": (step + 1) * spec.program.workload.prompts})
-                if stops[0]:
-                    raise KeyboardInterrupt
-        ctl.save(cfg.steps, {"seed": cfg.seed, "data_position": cfg.steps * spec.program.workload.prompts})
-        ctl.export_policy(out / "final")
+        with stop.installed():
+            ctl.start()
+            (out / "placement.json").write_text(json.dumps(ctl.placement, indent=2))
+            start_step = int(ctl.restore(out)["step"]) if req.resume else 0
+            cfg = spec.config
+            if start_step >= cfg.steps:
+                raise SpecError(
+                    f"the run in {out} is at step {start_step} already; it was asked for {cfg.steps}",
+                    fix=f"extend it: {resume} --steps N with N > {start_step}",
+                )
+            log = MetricsLog(out, start_step)
+            bar = _Progress(cfg.steps, start_step, enabled=progress)
+            with bar:
+                if start_step == 0 and cfg.eval_every:
+                    first = {"step": 0, **ctl.evaluate()}
+                    log.write(first)
+                    ctl.history.append(first)
+                for step in range(start_step, cfg.steps):
+                    m = ctl.run_step(step)
+                    if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                        m.update(ctl.evaluate())
+                    log.write(m)
+                    ctl.history.append({k: v for k, v in m.items() if k not in ("measured_s", "predicted_s")})
+                    bar.update(m)
+                    if on_step is not None:
+                        on_step(m)
+                    due = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
+                    if stop.signum is not None or (due and step + 1 < cfg.steps):
+                        with stop.deferred():  # a second signal waits until the checkpoint is whole
+                            path = ctl.save(
+                                step + 1, {"seed": cfg.seed, "data_position": (step + 1) * spec.program.workload.prompts}
+                            )
+                    if stop.signum is not None:
+                        raise Interrupted(
+                            f"stopped by {stop.name} after step {step + 1} of {cfg.steps}; checkpoint {path} written",
+                            exit_code=128 + stop.signum,
+                            fix=f"continue with: {resume}",
+                        )
+            with stop.deferred():
+                ctl.save(cfg.steps, {"seed": cfg.seed, "data_position": cfg.steps * spec.program.workload.prompts})
+                ctl.export_policy(out / "final")
     except KeyboardInterrupt:
-        raise FlowcError(
-            f"interrupted; the last checkpoint in {out}/checkpoints is intact",
-            fix=f"continue with: flowc run {req.flow.file} --resume {out}",
+        if not stop.aborted:
+            raise
+        raise Interrupted(
+            f"aborted by a second {stop.name} during the run; {_checkpoint_status(out)}",
+            exit_code=128 + (stop.signum or signal.SIGINT),
+            fix=_resume_fix(out, resume),
         ) from None
+    except Interrupted:
+        raise
+    except FlowcError as e:
+        if e.fix is None or "--resume" not in e.fix:
+            e.fix = f"{e.fix + '; then ' if e.fix else ''}{_resume_fix(out, resume)} ({_checkpoint_status(out)})"
+        raise
     finally:
-        if prev_handler is not None:
-            signal.signal(signal.SIGINT, prev_handler)
         if log is not None:
             log.close()
         ctl.shutdown()
         if started:
-            ray.shutdown()
+            shutdown_ray()
     return out
+
+
+class _Abort(KeyboardInterrupt):
+    """A second signal: leave now (nothing on the way catches a KeyboardInterrupt). While the main
+    thread waits in ``ray.get``, Ray runs the signal handler and turns what it raises into a fresh
+    KeyboardInterrupt only when it is one (anything else it swallows, and the wait goes on), so
+    the run tells an abort by :attr:`_Stop.aborted`, not by this type."""
+
+
+class _Stop:
+    """SIGINT and SIGTERM while a run is in the main thread: the first asks for a stop at the
+    next step boundary, the second aborts (after a checkpoint being written is whole)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._count = 0
+        self._defer = False
+        self._pending = False
+        self.aborted = False
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "a signal"
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._count += 1
+        if self._count == 1:
+            self.signum = signum
+            print(
+                f"\n{signal.Signals(signum).name}: stopping after the current step, with a checkpoint "
+                "(send it again to abort now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if self._defer:
+            self._pending = True
+            return
+        self.aborted = True
+        raise _Abort
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a stuck run is
+        try:
+            yield
+        finally:
+            for s, h in prev.items():
+                signal.signal(s, h)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A second signal inside waits for the block to finish."""
+        self._defer = True
+        try:
+            yield
+        finally:
+            self._defer = False
+            if self._pending:
+                self.aborted = True
+                raise _Abort
+
+
+def _checkpoint_status(out: Path) -> str:
+    latest = out / "checkpoints" / "latest"
+    if latest.exists():
+        return f"the last checkpoint, {out / 'checkpoints' / latest.read_text().strip()}, is intact"
+    return "no checkpoint was written"
+
+
+def _resume_fix(out: Path, resume: str) -> str:
+    if (out / "checkpoints" / "latest").exists():
+        return f"continue from the last checkpoint with: {resume}"
+    return "start the run again (no checkpoint to resume from)"
 
 
 class _Progress:

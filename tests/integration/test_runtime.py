@@ -145,10 +145,12 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(ray_cluster, tmp_p
             return real(self, text, *a, **k)
 
         monkeypatch.setattr(Path, "write_text", crash)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.raises(DataError, match=r"checkpoint of step 2 .* failed \(OSError: disk full\)") as e:
             ctl.save(2, {})
+        assert "free space" in e.value.fix
         monkeypatch.undo()
         root = spec.out_dir / "checkpoints"
+        assert not list(root.glob(".tmp-*"))  # the half-written checkpoint is gone
         assert (root / "latest").read_text().strip() == first.name
         assert not (root / "step-000002").exists()
         assert ctl.restore(spec.out_dir)["step"] == 1
@@ -185,10 +187,13 @@ def test_ctrl_c_stops_cleanly_and_the_checkpoint_resumes(tmp_path):
         p.kill()
         _, err = p.communicate()
         raise AssertionError(f"the run did not stop within 300 s of Ctrl-C; its stderr:\n{err[-3000:]}") from None
-    assert p.returncode == 1 and "interrupted" in err and "--resume" in err, err[-3000:]
+    # exit 130, after a checkpoint of the step it stopped at, which the message names
+    assert p.returncode == 130 and "stopped by SIGINT after step" in err and f"flowc run --resume {out}" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
     step = int(latest.read_text().strip().split("-")[1])
-    r = subprocess.run(
-        flowc_cmd("run", grpo, "--steps", str(step + 1), "--resume", str(out), "--config", str(cfg), "--rollout", "hf", "-q"),
+    assert f"checkpoint {out}/checkpoints/step-{step:06d} written" in err, err[-3000:]
+    r = subprocess.run(  # the printed command, plus a length: run.json holds the rest
+        flowc_cmd("run", "--resume", str(out), "--steps", str(step + 1), "-q"),
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,0 +1,151 @@
+"""A run folder is the run: ``run.json`` records every option that shaped it.
+
+``flowc run`` writes ``run.json`` when a run starts: the flow (absolute path and
+name), its hyperparameter overrides, models, data, rewards, cluster, workload,
+steps, rollout backend, pins, run config and saved plan, with the sha256 of
+every input file it read (flow, data, reward files). ``flowc run --resume DIR``
+rebuilds the run from it: a flag that contradicts the record is refused with the
+difference listed, unless ``--override`` is given (``--steps``, to extend or
+shorten the run, and ``--cluster``/``--device``, where it runs, never contradict
+it). A run resumes on its own plan.json; nothing here rewrites it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from flowc._version import __version__
+from flowc.errors import SpecError
+from flowc.ir.run_config import RunConfig
+
+RECORD = "run.json"
+
+# Options a resume may change freely: how long the run is and where it runs.
+FREE = ("steps", "cluster", "device")
+
+
+class RunRecord(BaseModel):
+    """Every option of a run, as it started (paths absolute)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: int = 1
+    flowc_version: str = __version__
+    flow: str  # FILE:NAME, FILE absolute
+    overrides: dict[str, Any] = {}
+    models: dict[str, str] = {}
+    data: str | None = None
+    eval_data: str | None = None
+    rewards: dict[str, str] = {}
+    cluster: str = "local"
+    device: str | None = None
+    workload: str | None = None
+    steps: int | None = None
+    rollout: str | None = None
+    pins: list[str] = []
+    config: dict[str, Any] = {}  # the RunConfig fields that were set
+    plan_file: str | None = None
+    inputs: dict[str, str] = {}  # input file → sha256 when the run started
+    resumes: list[dict[str, Any]] = []  # each resume: when, and what --override changed
+
+    # ------------------------------------------------------------ files
+    def write(self, run_dir: Path) -> Path:
+        path = run_dir / RECORD
+        tmp = run_dir / f".{RECORD}.tmp"
+        tmp.write_text(self.model_dump_json(indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, run_dir: Path) -> RunRecord:
+        path = run_dir / RECORD
+        if not path.exists():
+            raise SpecError(
+                f"{run_dir} has no {RECORD}: it is not a run folder, or an older flowc wrote it",
+                fix=f"give the run's options again with --override (flowc run FILE … --resume {run_dir} --override)",
+            )
+        try:
+            return cls.model_validate_json(path.read_text())
+        except Exception as e:
+            raise SpecError(f"{path} is damaged: {e}", fix="restore it from a backup, or start a new run") from None
+
+    def run_config(self) -> RunConfig:
+        return RunConfig.model_validate(self.config)
+
+    # ---------------------------------------------------------- compare
+    def options(self) -> dict[str, Any]:
+        """The options a flag can give, by field name."""
+        return {k: v for k, v in self.model_dump().items() if k not in ("format", "flowc_version", "inputs", "resumes")}
+
+    def contradictions(self, given: dict[str, Any]) -> list[str]:
+        """What the flags ``given`` (normalised like the record) change, one line each."""
+        have = self.options()
+        out = []
+        for k, v in given.items():
+            if k in FREE or v is None or v == have[k]:
+                continue
+            out.append(f"--{_flag(k)}: the run has {_show(have[k])}, the command gives {_show(v)}")
+        return out
+
+    def changed_inputs(self) -> list[str]:
+        """Input files whose contents differ from when the run started (or that are gone)."""
+        out = []
+        for path, digest in self.inputs.items():
+            if not Path(path).exists():
+                out.append(f"{path} is gone")
+            elif sha256(path) != digest:
+                out.append(f"{path} changed since the run started")
+        return out
+
+    def resumed(self, overridden: dict[str, Any]) -> RunRecord:
+        entry = {"at": time.strftime("%Y-%m-%dT%H:%M:%S"), "flowc_version": __version__}
+        if overridden:
+            entry["override"] = overridden
+        return self.model_copy(update={**overridden, "resumes": [*self.resumes, entry], "inputs": input_hashes(self)})
+
+
+def sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def absolute(path: str | None) -> str | None:
+    """A path option made absolute (so a resume from another folder reads the same file)."""
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
+def absolute_reward(spec: str) -> str:
+    """``file.py:fn`` with the file made absolute; ``module:fn`` as given."""
+    mod, sep, fn = spec.rpartition(":")
+    return f"{absolute(mod)}:{fn}" if sep and mod.endswith(".py") else spec
+
+
+def absolute_model(source: str) -> str:
+    """A local model folder made absolute; a catalogue name or hub id as given."""
+    return str(Path(source).resolve()) if Path(source).expanduser().exists() else source
+
+
+def input_hashes(rec: RunRecord) -> dict[str, str]:
+    """sha256 of every input file the run reads: the flow, the data, reward files."""
+    files = [rec.flow.rpartition(":")[0] or rec.flow, rec.data, rec.eval_data]
+    files += [s.rpartition(":")[0] for s in rec.rewards.values() if s.rpartition(":")[0].endswith(".py")]
+    return {f: sha256(f) for f in files if f and Path(f).is_file()}
+
+
+def _flag(field: str) -> str:
+    return {"overrides": "NAME=VALUE", "models": "model", "rewards": "reward", "pins": "pin", "plan_file": "plan"}.get(
+        field, field.replace("_", "-")
+    )
+
+
+def _show(v: Any) -> str:
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else repr(v)
