@@ -522,14 +522,16 @@ class _Stop:
 
 
 def _checkpoint_status(out: Path) -> str:
-    latest = out / "checkpoints" / "latest"
-    if latest.exists():
-        return f"the last checkpoint, {out / 'checkpoints' / latest.read_text().strip()}, is intact"
-    return "no checkpoint was written"
+    from flowc.runtime.checkpoints import CheckpointDir
+
+    latest = CheckpointDir(out).latest()
+    return f"the last checkpoint, {latest}, is intact" if latest is not None else "no checkpoint was written"
 
 
 def _resume_fix(out: Path, resume: str) -> str:
-    if (out / "checkpoints" / "latest").exists():
+    from flowc.runtime.checkpoints import CheckpointDir
+
+    if CheckpointDir(out).latest() is not None:
         return f"continue from the last checkpoint with: {resume}"
     return "start the run again (no checkpoint to resume from)"
 

@@ -13,9 +13,6 @@ worker) and workload — never from defaults of its own.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -25,7 +22,7 @@ from typing import Any
 import ray
 import torch
 
-from flowc.errors import DataError, RuntimeFailure, SpecError, WorkerError
+from flowc.errors import RuntimeFailure, SpecError
 from flowc.ir.functional import DEFAULT_KL_KIND, varied_groups
 from flowc.ir.graph import Node, ValueRef
 from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
@@ -36,7 +33,7 @@ from flowc.ir.targets import resolve
 from flowc.ir.verify import filter_region
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.batches import Sharded, assemble, cat_rows, even_split, minibatch_rows, num_rows, project, take_rows
-from flowc.runtime.checkpoint_io import verify_manifest, write_manifest
+from flowc.runtime.checkpoints import CheckpointDir
 from flowc.runtime.data import Records, RewardFn, tokenize_pairs, tokenize_prompts
 from flowc.runtime.program import EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step
 from flowc.runtime.ranks import output_ranks, replica_of
@@ -554,59 +551,22 @@ class Controller:
         return [(self.groups[g.name], e) for g in self.p.groups for e in g.engines if e.key.kind == EngineKind.TRAIN]
 
     def clean_checkpoints(self) -> list[Path]:
-        """Remove what an interrupted save left behind (temporary folders and files); returns them."""
-        root = self.s.out_dir / "checkpoints"
-        left = [*root.glob(".tmp-*"), *root.glob(".latest.tmp")] if root.exists() else []
-        for p in left:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        return left
+        """Remove what an interrupted save left behind; returns it."""
+        return CheckpointDir(self.s.out_dir).clean()
 
     def save(self, step: int, extra: dict[str, Any]) -> Path:
-        """Write a checkpoint atomically: every rank's state (safetensors + JSON) and the
-        controller's into a temporary folder, a manifest of their sha256, then rename."""
-        root = self.s.out_dir / "checkpoints"
-        tmp = root / f".tmp-{step:06d}-{os.getpid()}"
-        final = root / f"step-{step:06d}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        try:
-            tmp.mkdir(parents=True)
+        """Write step's checkpoint: every trained rank's state and the controller's (see CheckpointDir.write)."""
+
+        def save_ranks(folder: Path) -> None:
             for wg, e in self._trained():
-                wg.get(wg.call("save", e.key, str(tmp)), f"saving {e.role}")
-            state = {"step": step, "metrics": self.history, **extra}
-            (tmp / "controller.json").write_text(json.dumps(state))
-            write_manifest(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
-        except (OSError, WorkerError) as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            why = err.what if isinstance(err, WorkerError) else f"{type(err).__name__}: {err}"
-            raise DataError(
-                f"writing the checkpoint of step {step} in {root} failed ({why}); it was removed",
-                fix="free space there (or keep fewer checkpoints: keep_checkpoints in the run config)",
-            ) from err
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest = root / "latest"
-        (root / ".latest.tmp").write_text(final.name)
-        os.replace(root / ".latest.tmp", latest)
-        kept = sorted(p for p in root.glob("step-*") if p.is_dir())
-        for old in kept[: -self.cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+                wg.get(wg.call("save", e.key, str(folder)), f"saving {e.role}")
+
+        ckpts = CheckpointDir(self.s.out_dir, self.cfg.keep_checkpoints)
+        return ckpts.write(step, {"step": step, "metrics": self.history, **extra}, save_ranks)
 
     def restore(self, run_dir: Path) -> dict[str, Any]:
         """Load the latest checkpoint of ``run_dir`` into the engines; returns its controller state."""
-        root = run_dir / "checkpoints"
-        latest = root / "latest"
-        if not latest.exists():
-            raise DataError(f"{run_dir} has no checkpoint to resume from", fix="resume a run directory written by flowc run")
-        ckpt = root / latest.read_text().strip()
-        if (ckpt / "manifest.json").exists() or not any(ckpt.glob("*.pt")):
-            verify_manifest(ckpt)  # every file whole, as written (an older flowc's .pt checkpoints have none)
-        try:
-            state = json.loads((ckpt / "controller.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise DataError(f"{ckpt}/controller.json is unreadable: {e}", fix="resume from an earlier checkpoint") from None
+        ckpt, state = CheckpointDir(run_dir).read_latest()
         for wg, e in self._trained():
             wg.get(wg.call("load", e.key, str(ckpt)), f"loading {e.role}")
         for st in self.p.steps_of(Op.WEIGHT_SYNC):  # the rollout engines get the restored weights
