@@ -16,32 +16,80 @@ from flowc.ir.models import ModelSpec
 from flowc.ir.ops import RoleKind
 from flowc.runtime.data import Records
 
-
 # ------------------------------------------------------------------- models
-def materialize_model(ref: str, out_dir: Path, tokenizer_dir: str) -> str:
-    """An HF directory for ``ref``: a directory as given; the built-in model for
-    ``flowc-tiny``; a catalogue name or config.json → a randomly initialised
-    model written once under the run directory."""
-    from flowc.tasks.arithmetic import asset_dir
+BUILTIN_MODELS = ("flowc-tiny", "tiny")
 
-    p = Path(ref)
-    if p.is_dir():
+
+def materialize_model(ref: str, out_dir: Path, *, init: str = "pretrained", scores: bool = False) -> tuple[str, str | None]:
+    """An HF directory for ``ref``, and a line to tell the user (or None).
+
+    A directory is used as it is; ``flowc-tiny`` is the built-in model (``scores``: the built-in
+    reward model); a Hugging Face hub id is its cached snapshot (downloaded when the network
+    allows). A catalogue name holds an architecture for planning, not weights: it runs only with
+    ``init="random"``, which writes a randomly initialised model of that architecture once under
+    the run directory (as it does for a directory or hub id given with ``init="random"``)."""
+    from flowc.ir.hub import cached_snapshot, is_hub_id, snapshot
+    from flowc.ir.models import catalogue, catalogue_key
+    from flowc.tasks.arithmetic import asset_dir, reward_model_dir
+
+    p = Path(ref).expanduser()
+    if ref in BUILTIN_MODELS and init == "pretrained":
+        return str(reward_model_dir() if scores else asset_dir()), None
+    if ref in BUILTIN_MODELS:
+        local: Path | None = None  # random weights of the catalogue's flowc-tiny
+        ref = "flowc-tiny"
+    elif p.is_dir():
         if not (p / "config.json").exists():
             raise SpecError(f"model directory {ref} has no config.json", fix="give an HF model directory")
-        return str(p)
-    if ref in ("flowc-tiny", "tiny"):
-        return str(asset_dir())
-    spec = ModelSpec.resolve(ref)
-    target = out_dir / "models" / spec.name.replace("/", "_")
+        local = p
+    elif is_hub_id(ref) and init == "pretrained":
+        local = snapshot(ref)
+    elif is_hub_id(ref):  # random weights: the cached config, else the catalogue's, else downloaded
+        local = cached_snapshot(ref) or (None if catalogue_key(ref) in catalogue() else snapshot(ref))
+    else:
+        local = None
+    if init == "pretrained":
+        if local is not None:
+            return str(local), None
+        spec = ModelSpec.resolve(ref)  # an unknown name is refused here, with the catalogue listed
+        raise SpecError(
+            f"{ref!r} is a catalogue name: the catalogue holds {spec.name}'s architecture for planning, not its weights",
+            fix="give a local model directory or a Hugging Face hub id (e.g. --model actor=Qwen/Qwen2.5-0.5B), "
+            "or pass --init random to train it from random weights",
+        )
+    return _random_model(ref, local, out_dir, scores=scores)
+
+
+def _random_model(ref: str, local: Path | None, out_dir: Path, *, scores: bool) -> tuple[str, str]:
+    """A randomly initialised model of ``ref``'s architecture, written under the run directory
+    with its tokenizer (the model's own, or the built-in one for a catalogue name)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from flowc.tasks.arithmetic import asset_dir
+
+    name = ref.replace("/", "_")
+    target = out_dir / "models" / (f"{name}-random" + ("-rm" if scores else ""))
+    tok_dir = str(local) if local is not None else str(asset_dir())
     if not (target / "config.json").exists():
-        from transformers import AutoTokenizer
+        import torch
 
-        from flowc.runtime.modeling import load_causal_lm
+        torch.manual_seed(0)
+        if local is not None:
+            cfg = AutoConfig.from_pretrained(str(local))
+        else:
+            from flowc.runtime.modeling import hf_config
 
-        model = load_causal_lm(spec)
+            cfg = hf_config(ModelSpec.resolve(ref))
+        if scores:
+            cfg.num_labels = 1
+            cfg.pad_token_id = AutoTokenizer.from_pretrained(tok_dir).pad_token_id
+            model = AutoModelForSequenceClassification.from_config(cfg)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg)
         model.save_pretrained(target, safe_serialization=True)
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(target)
-    return str(target)
+        AutoTokenizer.from_pretrained(tok_dir).save_pretrained(target)
+    tok_note = "its own tokenizer" if local is not None else "the built-in arithmetic tokenizer (17 tokens)"
+    return str(target), f"{ref}: random weights (--init random), with {tok_note}, written to {target}"
 
 
 def check_tokenizer(tokenizer: str, sources: dict[str, str]) -> None:
@@ -93,22 +141,57 @@ def check_model_roles(g: FlowGraph, given: dict[str, str]) -> None:
         raise SpecError(f"no model given for policy role {policies[0]!r}", fix=f"pass --model {policies[0]}=NAME")
 
 
-def model_sources(g: FlowGraph, given: dict[str, str], out: Path) -> tuple[dict[str, str], str]:
-    """An HF directory for every model role (a role not given uses the policy's model,
-    and with none given the built-in tiny model), and the policy's tokenizer directory."""
-    from flowc.tasks.arithmetic import asset_dir
+def model_sources(
+    g: FlowGraph, given: dict[str, str], out: Path, *, init: str = "pretrained"
+) -> tuple[dict[str, str], str, list[str]]:
+    """An HF directory for every model role, the policy's tokenizer directory, and lines to
+    tell the user (random weights, a critic's fresh head).
+
+    A role not given uses the policy's model (a critic its trunk), except a reward model, which
+    needs a score head: with the built-in policy it is the built-in reward model, otherwise it
+    must be given. Every checkpoint is checked against its role before anything starts: a
+    policy or reference needs a causal LM, a reward model a sequence classifier."""
+    from flowc.runtime.modeling import checkpoint_head, has_score_head
 
     check_model_roles(g, given)
     policy = next((r for r, i in g.roles.items() if i.kind == RoleKind.POLICY), None)
-    base = given.get(policy) if policy else None
-    tok_dir = str(asset_dir())
+    base = (given.get(policy) if policy else None) or "flowc-tiny"
     sources: dict[str, str] = {}
+    notes: list[str] = []
     for role, info in g.roles.items():
-        if info.kind != RoleKind.REWARD:
-            sources[role] = materialize_model(given.get(role) or base or "flowc-tiny", out, tok_dir)
-    tokenizer = sources[policy] if policy else tok_dir
+        if info.kind == RoleKind.REWARD:
+            continue
+        scores = info.kind == RoleKind.REWARD_MODEL
+        ref = given.get(role)
+        if ref is None and scores and base not in BUILTIN_MODELS:
+            raise SpecError(
+                f"no model given for reward model role {role!r}; the policy's model ({base}) has no score head",
+                fix=f"pass --model {role}=PATH_OR_HUB_ID of a sequence-classification checkpoint (num_labels=1)",
+            )
+        sources[role], note = materialize_model(ref or base, out, init=init, scores=scores)
+        if note and note not in notes:
+            notes.append(note)
+        if info.kind in (RoleKind.POLICY, RoleKind.REFERENCE) and checkpoint_head(sources[role]) == "score":
+            raise SpecError(
+                f"{role}'s model {sources[role]} is a sequence-classification checkpoint (a reward model): "
+                f"a {info.kind.value} needs a causal LM's head",
+                fix=f"give --model {role}= a causal LM",
+            )
+        try:
+            head = info.kind in (RoleKind.CRITIC, RoleKind.REWARD_MODEL) and has_score_head(sources[role], scores=scores)
+        except SpecError as e:
+            raise SpecError(f"reward model role {role!r}: {e.what}", fix=e.fix) from None
+        if info.kind == RoleKind.CRITIC and not head:
+            notes.append(f"{role}: a critic from the causal LM {sources[role]}: its value head starts at zero")
+    tokenizer = sources[policy] if policy else str(_builtin_tokenizer())
     check_tokenizer(tokenizer, sources)
-    return sources, tokenizer
+    return sources, tokenizer, notes
+
+
+def _builtin_tokenizer() -> Path:
+    from flowc.tasks.arithmetic import asset_dir
+
+    return asset_dir()
 
 
 # --------------------------------------------------------------------- data

@@ -184,7 +184,9 @@ def prepare(req: RunRequest) -> Prepared:
 
     g = req.flow.trace(**req.overrides)
     out = _run_dir(Path(req.resume or req.out or f"runs/{g.name}-{time.strftime('%Y%m%d-%H%M%S')}"))
-    sources, tokenizer = model_sources(g, req.models, out)
+    sources, tokenizer, notes = model_sources(g, req.models, out, init=req.config.init)
+    for line in notes:  # what the user should know about the weights (random, a fresh critic head)
+        print(f"note: {line}", file=sys.stderr)
     data, eval_data = load_data(g, req.data, req.eval_data)
     builtin = req.data is None
     rewards, names = bind_rewards(g, req.rewards, (arith.exact_match, "flowc.tasks.arithmetic:exact_match") if builtin else None)

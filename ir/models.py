@@ -272,6 +272,10 @@ class ModelSpec(BaseModel):
             return cls.from_hf_config(_read_json(cfg), name=str(p))
         if p.is_file():
             return cls.from_hf_config(_read_json(p), name=str(p))
+        from flowc.ir.hub import cached_snapshot, is_hub_id
+
+        if is_hub_id(ref) and (snap := cached_snapshot(ref)) is not None:  # the model's own config, when cached
+            return cls.from_hf_config(_read_json(snap / "config.json"), name=ref)
         key = catalogue_key(ref)
         cat = catalogue()
         if key in cat:
@@ -294,7 +298,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def catalogue_key(ref: str) -> str:
-    """Normalise a name: lower case, HF org prefix dropped, ``-instruct`` kept."""
+    """Normalise a name: lower case, HF org prefix dropped, and a fine-tune's ``-instruct``,
+    ``-chat`` or ``-base`` suffix dropped when only its base model is in the catalogue."""
     key = ref.strip().lower()
     cat = catalogue()
     if key in cat:
@@ -302,7 +307,11 @@ def catalogue_key(ref: str) -> str:
     by_hf = {str(v.get("hf_id", "")).lower(): k for k, v in cat.items()}
     if key in by_hf:
         return by_hf[key]
-    return key.rsplit("/", 1)[-1]
+    key = key.rsplit("/", 1)[-1]
+    for suffix in ("-instruct", "-chat", "-base"):  # fine-tunes have their base model's architecture
+        if key.endswith(suffix) and key.removesuffix(suffix) in cat:
+            return key.removesuffix(suffix)
+    return key
 
 
 _CATALOGUE: dict[str, dict[str, Any]] | None = None

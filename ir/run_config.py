@@ -52,6 +52,10 @@ class RunConfig(BaseModel):
         cpus_per_worker: CPUs each worker reserves (CPU clusters).
         reward_timeout_s: the longest one call of a reward function may take (it runs in a
             process of its own, killed when it overruns; the run then fails naming the step).
+        init: ``pretrained`` (the default): every model's weights come from its checkpoint (a
+            directory or a Hugging Face hub id). ``random``: train from random weights of the
+            model's architecture (its config and tokenizer; a catalogue name gets the built-in
+            tokenizer) — never a fallback, only when asked for.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -68,6 +72,7 @@ class RunConfig(BaseModel):
     timeout_s: float = Field(600.0, gt=0)
     cpus_per_worker: float = Field(1.0, gt=0)
     reward_timeout_s: float = Field(120.0, gt=0)
+    init: Literal["pretrained", "random"] = "pretrained"
 
     def optim_for(self, role: str) -> OptimConfig:
         return self.optim.get(role, self.default_optim)

@@ -441,15 +441,15 @@ class Controller:
                     m[f"{role}/sync_buckets"] = got[0]["buckets"]
         for st in self.p.steps:
             node = g[st.node]
-            if st.op == Op.REWARD:
-                scores = it.env[st.node].value
+            if st.op in (Op.REWARD, Op.SCORE):  # a function's or a reward model's scores
+                scores = self._materialize(it.env[st.node]).float()
                 m[f"{st.node}/mean"] = float(scores.mean())
                 m[f"{st.node}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
                 if bool(((scores == 0) | (scores == 1)).all()):
                     m[f"{st.node}/accuracy"] = float(scores.mean())
             if st.op == Op.GENERATE and node.kwargs.get("greedy") is not True and "response_length" not in m:
                 m["response_length"] = tokens_of[st.node] / max(it.env[st.node].rows, 1)
-        first_reward = next((st.node for st in self.p.steps if st.op == Op.REWARD), None)
+        first_reward = next((st.node for st in self.p.steps if st.op in (Op.REWARD, Op.SCORE)), None)
         if first_reward:
             m["reward"] = m[f"{first_reward}/mean"]
             m["reward_std"] = m[f"{first_reward}/std"]
@@ -575,10 +575,11 @@ class Controller:
         return state
 
     def export_policy(self, path: Path) -> None:
+        """The trained policy in HF format at ``path``; any other trained role (a critic) beside it in
+        ``path/ROLE`` (a critic as a sequence classifier with its value head)."""
         for wg, e in self._trained():
-            if e.role_kind == "policy":
-                wg.get(wg.call("export_hf", e.key, str(path), self.s.tokenizer), "exporting the policy")
-                return
+            where = path if e.role_kind == "policy" else path / e.key.role
+            wg.get(wg.call("export_hf", e.key, str(where), self.s.tokenizer), f"exporting {e.key.role}")
 
 
 __all__ = ["Controller", "Local", "RunSpec"]

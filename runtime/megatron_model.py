@@ -84,13 +84,13 @@ def transformer_config(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dty
 
 
 class ValueHead(nn.Module):
-    """A critic's scalar head in place of Megatron's output layer (replicated over tp)."""
+    """A critic's or reward model's scalar head in place of Megatron's output layer (replicated
+    over tp; no bias, as transformers' sequence classifiers, whose ``score`` it loads)."""
 
     def __init__(self, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.linear = nn.Linear(hidden, 1, dtype=dtype)
+        self.linear = nn.Linear(hidden, 1, bias=False, dtype=dtype)
         nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
         return self.linear(hidden), None
@@ -155,9 +155,10 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torc
     return Packed(ids, positions, causal)
 
 
-def at_responses(out: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """``out [N, S, ...]`` at the positions that predict each response token: ``[N, R, ...]``."""
-    idx = packed.positions.to(out.device)
+def at_responses(out: torch.Tensor, packed: Packed, *, at_tokens: bool = False) -> torch.Tensor:
+    """``out [N, S, ...]`` at the positions that predict each response token: ``[N, R, ...]``
+    (``at_tokens``: at each response token itself, where a reward model scores)."""
+    idx = packed.positions.to(out.device) + (1 if at_tokens else 0)
     if out.dim() == 2:
         return out.gather(1, idx)
     return out.gather(1, idx.unsqueeze(-1).expand(*idx.shape, out.shape[-1]))

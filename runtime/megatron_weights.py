@@ -37,6 +37,7 @@ import torch
 
 from flowc.errors import SpecError
 from flowc.ir.models import ModelSpec
+from flowc.runtime.modeling import SCORE_HEAD
 
 VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by
 
@@ -113,7 +114,8 @@ class Rule:
 
 def rules(arch: ModelSpec, d: Degrees, *, lm_head: bool = True) -> list[Rule]:
     """The parameters rank ``d`` holds, in the order the model declares them
-    (``lm_head=False``: a critic, whose last stage has a value head instead)."""
+    (``lm_head=False``: a critic or reward model, whose last stage has a scalar head
+    instead, ``score.weight`` in HF's sequence-classification checkpoints)."""
     out: list[Rule] = []
     first, last = d.pp_rank == 0, d.pp_rank == d.pp - 1
     if first:
@@ -154,6 +156,8 @@ def rules(arch: ModelSpec, d: Degrees, *, lm_head: bool = True) -> list[Rule]:
                     "vocab",
                 )
             )
+        elif not lm_head:  # the scalar head, named as a sequence classifier's
+            out.append(Rule("output_layer.linear.weight", (SCORE_HEAD,), "rep"))
     return out
 
 
@@ -161,6 +165,8 @@ def hf_shape(name: str, arch: ModelSpec) -> tuple[int, ...]:
     """The shape of an HF tensor named by a rule."""
     h, hd = arch.hidden_size, arch.head_dim
     last = name.rsplit(".", 2)[-2] if name.count(".") > 1 else ""
+    if name == SCORE_HEAD:
+        return (1, h)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (arch.vocab_size, h)
     if ".experts." in name:

@@ -1,5 +1,6 @@
 """Models for the backends: HF causal LMs from a directory or a ModelSpec, a
-value head for critics, and teacher-forced log-probabilities.
+scalar head for critics and reward models (loaded from a sequence-classification
+checkpoint's ``score`` head), and teacher-forced log-probabilities.
 
 Sequences are laid out as the rollout holds them: left-padded prompts
 ``[N, P]`` followed by right-padded responses ``[N, R]``; position ids count
@@ -77,21 +78,72 @@ def hf_config(spec: ModelSpec):
     return LlamaConfig(**common, attention_bias=spec.attention_bias, head_dim=spec.head_dim)
 
 
-def load_causal_lm(source: str | Path | ModelSpec, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    """A causal LM from an HF directory, or randomly initialised from a spec."""
-    from transformers import AutoModelForCausalLM
+SCORE_HEAD = "score.weight"  # a sequence-classification checkpoint's head (transformers' name)
+
+
+def checkpoint_head(path: str | Path) -> str:
+    """What an HF checkpoint directory ends in: ``"lm"`` (a causal LM) or ``"score"``
+    (``…ForSequenceClassification`` with one label: a reward model or critic)."""
+    cfg = _config_json(Path(path))
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    cls = next((a for a in archs if a.endswith("ForSequenceClassification")), None)
+    if cls is None:
+        return "lm"
+    labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
+    if labels != 1:
+        raise SpecError(
+            f"{path} is a {cls} with {labels} labels; a reward model or critic has one scalar output",
+            fix="give a checkpoint trained with num_labels=1 (a reward model)",
+        )
+    return "score"
+
+
+def has_score_head(path: str | Path, *, scores: bool) -> bool:
+    """Whether the checkpoint a critic or reward model (``scores``) starts from has a score
+    head; a reward model without one is refused (it would score every response 0.0)."""
+    if checkpoint_head(path) == "score":
+        return True
+    if scores:
+        raise SpecError(
+            f"{path} is a causal LM with no score head: as a reward model it would score every response 0.0",
+            fix="give the reward model a sequence-classification checkpoint "
+            "(AutoModelForSequenceClassification with num_labels=1), or score with a Python function (fc.Reward)",
+        )
+    return False
+
+
+def _config_json(path: Path) -> dict:
+    import json
+
+    if not (path / "config.json").exists():
+        raise SpecError(f"model directory {path} has no config.json", fix="give an HF model directory (config.json + weights)")
+    return json.loads((path / "config.json").read_text())
+
+
+def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+def load_causal_lm(source: str | Path | ModelSpec, *, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """A causal LM from an HF directory, or randomly initialised from a spec. A
+    sequence-classification checkpoint is refused: it has no LM head, and loading it as a
+    causal LM would give a policy a random one without a word."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
     if isinstance(source, ModelSpec):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config(source), dtype=dtype)
     else:
         path = Path(source)
-        if not (path / "config.json").exists():
+        if checkpoint_head(path) == "score":
             raise SpecError(
-                f"model directory {path} has no config.json", fix="give an HF model directory (config.json + weights)"
+                f"{path} is a sequence-classification checkpoint (a reward model): it has a score head, "
+                "not the language-model head a policy or reference needs",
+                fix="give a policy or reference a causal LM; use this checkpoint for a reward model or critic",
             )
         try:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
@@ -101,35 +153,88 @@ def load_causal_lm(source: str | Path | ModelSpec, *, dtype: torch.dtype = torch
     return model
 
 
-def save_hf(source: str, state: dict[str, torch.Tensor], path: str, tokenizer: str | None, *, trunk: bool, what: str) -> None:
+def load_value_model(source: str | Path | ModelSpec, *, dtype: torch.dtype, scores: bool, seed: int = 0) -> ValueModel:
+    """A critic (``scores=False``) or reward model (``scores=True``): an LM trunk and a scalar head.
+
+    From a sequence-classification checkpoint both take its trunk and its ``score`` head (a
+    critic initialised from a reward model starts from that head). A critic from a causal LM
+    starts from a zero head, as peers' critics do; a reward model from a causal LM is refused,
+    since with no trained head it would score every response 0.0."""
+    if isinstance(source, ModelSpec):
+        return ValueModel(load_causal_lm(source, dtype=dtype, seed=seed))
+    path = Path(source)
+    if not has_score_head(path, scores=scores):
+        return ValueModel(load_causal_lm(path, dtype=dtype))
+    from transformers import AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    try:
+        seq = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=dtype)
+    except Exception as e:
+        raise SpecError(f"cannot load the reward model in {path}: {type(e).__name__}: {e}") from e
+    model = ValueModel(seq)
+    with torch.no_grad():
+        model.head.weight.copy_(seq.score.weight)
+    return model
+
+
+def save_hf(source: str, state: dict[str, torch.Tensor], path: str, tokenizer: str | None, *, value: bool, what: str) -> None:
     """Write trained weights in HF format beside ``source``'s config (and ``tokenizer``'s files):
-    ``state`` holds the whole LM's parameters, or with ``trunk`` only its trunk's (a critic
-    or reward model, whose scalar head the LM does not have)."""
+    ``state`` holds the causal LM's parameters, or with ``value`` a critic's or reward model's
+    (the trunk's as ``model.…`` and the head as ``score.weight``), written as a
+    ``…ForSequenceClassification`` checkpoint with one label that flowc and transformers load back."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
     from flowc.errors import DataError
 
-    lm = load_causal_lm(source, dtype=next(iter(state.values())).dtype)
-    target = lm.model if trunk else lm
-    missing, unexpected = target.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(lm.config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
+    dtype = next(iter(state.values())).dtype
+    if value:
+        _quiet_transformers()
+        cfg = AutoConfig.from_pretrained(source)
+        cfg.num_labels = 1  # save_pretrained names the architecture after the class
+        if getattr(cfg, "pad_token_id", None) is None and tokenizer:
+            from transformers import AutoTokenizer
+
+            cfg.pad_token_id = AutoTokenizer.from_pretrained(tokenizer).pad_token_id
+        model = AutoModelForSequenceClassification.from_config(cfg, dtype=dtype)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        ignorable: set[str] = set()
+    else:
+        model = load_causal_lm(source, dtype=dtype)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        ignorable = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - ignorable:
         raise DataError(f"exporting {what}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    lm.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(path)
 
 
+def value_state(params: dict[str, torch.Tensor], prefix: str = "model") -> dict[str, torch.Tensor]:
+    """A :class:`ValueModel`'s parameters (``trunk.…``, ``head.weight``) under the names a
+    sequence-classification checkpoint gives them (``model.…``, ``score.weight``)."""
+    out = {}
+    for k, v in params.items():
+        if k.startswith("trunk."):
+            out[f"{prefix}.{k.removeprefix('trunk.')}"] = v
+        elif k == "head.weight":
+            out[SCORE_HEAD] = v
+    return out
+
+
 class ValueModel(nn.Module):
-    """A critic: the LM's trunk and a scalar head on every position."""
+    """A critic or reward model: an LM's trunk and a scalar head (no bias, as transformers'
+    sequence classifiers) on every position; the head starts at zero unless loaded."""
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
-        self.trunk = lm.model
+        self.prefix = lm.base_model_prefix  # the trunk's name in an HF checkpoint
+        self.trunk = getattr(lm, self.prefix)
         self.config = lm.config
-        self.head = nn.Linear(lm.config.hidden_size, 1)
+        self.head = nn.Linear(lm.config.hidden_size, 1, bias=False)
         nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         h = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
@@ -180,9 +285,14 @@ def response_logprobs(model: nn.Module, prompt_ids, prompt_mask, response_ids, r
     return lp, entropy
 
 
-def response_values(model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-    """Value estimates ``[N, R]``: the value of the state before each response token."""
+def response_values(
+    model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask, *, at_tokens: bool = False
+) -> torch.Tensor:
+    """Value estimates ``[N, R]``: a critic's value of the state before each response token, or
+    with ``at_tokens`` the head's output at each response token itself (a reward model scores a
+    sequence at its last token, as transformers' sequence classifiers do)."""
     ids, mask, pos = join(prompt_ids, prompt_mask, response_ids, response_mask)
     p, r = prompt_ids.shape[1], response_ids.shape[1]
     v = model(input_ids=ids, attention_mask=mask, position_ids=pos)
-    return v[:, p - 1 : p + r - 1].float()
+    shift = 0 if at_tokens else 1
+    return v[:, p - shift : p + r - shift].float()

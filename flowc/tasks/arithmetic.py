@@ -86,3 +86,9 @@ def build_tokenizer():
 def asset_dir() -> Path:
     """The shipped warm-started model (HF format: config, safetensors, tokenizer)."""
     return Path(str(resources.files("flowc.tasks").joinpath("assets/arith-tiny")))
+
+
+def reward_model_dir() -> Path:
+    """The shipped reward model of the task (a one-label sequence classifier on the same
+    trunk; ``python -m flowc.tasks.make_reward_model`` builds it)."""
+    return Path(str(resources.files("flowc.tasks").joinpath("assets/arith-tiny-rm")))

@@ -22,11 +22,19 @@ import torch.distributed as dist
 from torch import nn
 
 from flowc.ir.functional import Rollout
-from flowc.ir.ops import LM_KINDS
+from flowc.ir.ops import LM_KINDS, RoleKind
 from flowc.ir.plan import Layout
 from flowc.runtime.backends import EngineInit, MicroFn
 from flowc.runtime.backends.collectives import allreduce, compute_device, to_device, world
-from flowc.runtime.modeling import ValueModel, load_causal_lm, response_logprobs, response_values, save_hf
+from flowc.runtime.modeling import (
+    ValueModel,
+    load_causal_lm,
+    load_value_model,
+    response_logprobs,
+    response_values,
+    save_hf,
+    value_state,
+)
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -59,9 +67,14 @@ class Fsdp2Trainer:
         torch.manual_seed(init.seed)
         self.init = init
         self.lm_head = init.kind in LM_KINDS
-        lm = load_causal_lm(init.source, dtype=init.torch_dtype)
+        if self.lm_head:
+            model: nn.Module = load_causal_lm(init.source, dtype=init.torch_dtype)
+            lm = model
+        else:  # a critic or reward model: the trunk, and the checkpoint's score head when it has one
+            model = load_value_model(init.source, dtype=init.torch_dtype, scores=init.kind == RoleKind.REWARD_MODEL)
+            lm = model.trunk
         self.device = compute_device()
-        model: nn.Module = (lm if self.lm_head else ValueModel(lm)).to(self.device)
+        model = model.to(self.device)
         if init.layout.activation_checkpointing and hasattr(lm, "gradient_checkpointing_enable"):
             lm.gradient_checkpointing_enable()
         self.model = parallelize(model, layout=init.layout)
@@ -86,7 +99,7 @@ class Fsdp2Trainer:
         args = (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
         if self.lm_head:
             return response_logprobs(self.model, *args, with_entropy=with_entropy)
-        return response_values(self.model, *args)
+        return response_values(self.model, *args, at_tokens=self.init.kind == RoleKind.REWARD_MODEL)
 
     def run(self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool) -> list[dict[str, Any]]:
         out = []
@@ -199,6 +212,6 @@ class Fsdp2Trainer:
         params, _ = self.full_params()
         if world()[1] != 0:
             return
-        if not self.lm_head:  # the value head has no place in the LM; its trunk is the LM's
-            params = {k.removeprefix("trunk."): v for k, v in params.items() if k.startswith("trunk.")}
-        save_hf(self.init.source, params, path, tokenizer, trunk=not self.lm_head, what=self.init.role)
+        if not self.lm_head:  # written as a sequence classifier: the trunk and its score head
+            params = value_state(params, self.model.prefix)
+        save_hf(self.init.source, params, path, tokenizer, value=not self.lm_head, what=self.init.role)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from flowc.errors import DataError, SpecError
 from flowc.ir.functional import Rollout
 from flowc.ir.models import ModelSpec
-from flowc.ir.ops import LM_KINDS
+from flowc.ir.ops import LM_KINDS, RoleKind
 from flowc.ir.plan import Layout
 from flowc.ir.run_config import OptimConfig
 from flowc.runtime.backends import EngineInit, MicroFn
@@ -51,7 +51,7 @@ from flowc.runtime.megatron_weights import (
     shard_shape,
     to_megatron,
 )
-from flowc.runtime.modeling import save_hf
+from flowc.runtime.modeling import SCORE_HEAD, has_score_head, save_hf
 
 # Megatron keeps its parallel state (process groups, ranks) in module globals of
 # ``megatron.core.parallel_state``. Roles a plan co-locates may use different
@@ -164,9 +164,13 @@ class MegatronTrainer:
             cuda=torch.cuda.is_available(),
             recompute=layout.activation_checkpointing,
         )
-        state = to_megatron(HFCheckpoint(source), self.arch, self.deg, lm_head=not self.critic)
+        get: Any = HFCheckpoint(source)
+        if self.critic and not has_score_head(source, scores=init.kind == RoleKind.REWARD_MODEL):
+            ckpt = get  # a critic from a causal LM: its head starts at zero
+            get = lambda n: torch.zeros(1, self.arch.hidden_size) if n == SCORE_HEAD else ckpt(n)  # noqa: E731
+        state = to_megatron(get, self.arch, self.deg, lm_head=not self.critic)
         missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith("output_layer.linear")]
+        missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise DataError(
                 f"{init.role}: Megatron weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
@@ -223,7 +227,7 @@ class MegatronTrainer:
         """The last stage's outputs at the response positions: log-probabilities
         (and entropy) for a policy or reference, values for a critic or reward model."""
         activate(self.key)
-        out = at_responses(output, packed)
+        out = at_responses(output, packed, at_tokens=self.init.kind == RoleKind.REWARD_MODEL)
         if self.critic:
             return out.squeeze(-1).float()
         return vocab_parallel_logprobs(out, part.response_ids.to(out.device), self.arch.vocab_size, with_entropy=with_entropy)
@@ -400,6 +404,4 @@ class MegatronTrainer:
         if dist.get_rank() != 0:
             return
         state = fuse_experts({name: t.cpu() for name, t in params.items()})  # transformers 5's module layout
-        if self.critic:  # the value head has no place in the LM; its trunk is the LM's
-            state = {k.removeprefix("model."): v for k, v in state.items()}
-        save_hf(self.init.source, state, path, tokenizer, trunk=self.critic, what=self.init.role)
+        save_hf(self.init.source, state, path, tokenizer, value=self.critic, what=self.init.role)

@@ -44,6 +44,19 @@ def _hf(source):
     return load_causal_lm(source, dtype=torch.float32)
 
 
+def hf_sequence_scores(source: str, r: Rollout) -> torch.Tensor:
+    """transformers' own scores of each row's real tokens (prompt then response), one row at a time."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(source, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for i in range(r.prompt_ids.shape[0]):
+            ids = torch.cat([r.prompt_ids[i][r.prompt_mask[i]], r.response_ids[i][r.response_mask[i]]]).unsqueeze(0)
+            out.append(model(input_ids=ids).logits[0, 0])
+    return torch.stack(out)
+
+
 def _start(rank: int, world: int, init: str) -> None:
     import megatron_cpu
 
@@ -122,23 +135,23 @@ def tp_worker(rank: int, world: int, init: str, out) -> None:
     mine = dict(ck.b.model.named_parameters())
     res["recompute_grad_err"] = max(float((mine[n].grad - p.grad).abs().max()) for n, p in own.items() if p.grad is not None)
     _stream_check(eng, source, res)
-    # a reward model: the value head on the trunk, scored at each row's last response token
+    # a reward model: the trunk and the checkpoint's score head, scored at each row's last response
+    # token; equal to transformers' own sequence classifier on the same sequences (and to fsdp2's)
     from flowc.runtime.backends import EngineInit
     from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
     from flowc.runtime.backends.training import TrainEngine
+    from flowc.tasks.arithmetic import reward_model_dir
 
-    rm = _engine(source, Layout(dp=1, tp=2, backend="megatron"), kind="reward_model")
+    rm_dir = str(reward_model_dir())
+    rm = _engine(rm_dir, Layout(dp=1, tp=2, backend="megatron"), kind="reward_model")
     hf_rm = TrainEngine(
-        Fsdp2Trainer(EngineInit(role="rm", kind="reward_model", source=source, layout=Layout(), dtype="float32", seed=0))
+        Fsdp2Trainer(EngineInit(role="rm", kind="reward_model", source=rm_dir, layout=Layout(), dtype="float32", seed=0))
     )
-    g = torch.Generator().manual_seed(3)
-    head_w, head_b = torch.randn(1, eng.b.arch.hidden_size, generator=g), torch.randn(1, generator=g)
-    with torch.no_grad():
-        for head in (rm.b.model.output_layer.linear, hf_rm.b.model.head):
-            head.weight.copy_(head_w)
-            head.bias.copy_(head_b)
-    scores, want_scores = rm.forward(r, micro=4), hf_rm.forward(r, micro=4)
+    scores, fsdp_scores = rm.forward(r, micro=4), hf_rm.forward(r, micro=4)
+    want_scores = hf_sequence_scores(rm_dir, r)
     if rank == 0:
+        res["reward_fsdp_err"] = float((fsdp_scores - want_scores).abs().max())
+        res["reward_scale"] = float(want_scores.abs().max())
         res["reward_err"] = float((scores - want_scores).abs().max())
     out[rank] = res
     dist.destroy_process_group()
@@ -246,7 +259,8 @@ def test_tensor_parallel_logprobs_gradients_and_weight_stream():
     res = _spawn(tp_worker)
     assert res[0]["forward_err"] < 1e-5, res[0]
     assert res[1]["forward_none"]  # only tp rank 0 of the last stage answers for its replica
-    assert res[0]["reward_err"] < 1e-5, res[0]  # the value head (reward models, critics) as the fsdp2 backend's
+    # a reward model's scores are transformers' (AutoModelForSequenceClassification), on both backends
+    assert res[0]["reward_err"] < 1e-4 and res[0]["reward_fsdp_err"] < 1e-4 and res[0]["reward_scale"] > 0.1, res[0]
     for rank in (0, 1):
         assert res[rank]["grad_rel_err"] < 1e-4, res[rank]
         assert res[rank]["recompute"] == "full" and res[rank]["recompute_grad_err"] < 1e-5, res[rank]

@@ -67,6 +67,11 @@ def test_every_example_runs(ray_cluster, tmp_path, flow):
     assert ("actor/dpo_loss" if flow == "dpo" else "actor/pg_loss") in rows[-1]
     if flow == "ppo":
         assert "critic/vf_loss" in rows[-1]
+        assert rows[-1]["rm.score/std"] > 0  # the shipped reward model scores; a zero head would give 0.0
+        from transformers import AutoModelForSequenceClassification
+
+        critic = AutoModelForSequenceClassification.from_pretrained(out / "final" / "critic")  # exported with its head
+        assert critic.config.num_labels == 1 and critic.score.weight.abs().sum() > 0
     if flow == "dapo":  # dynamic sampling refilled the batch, or ran out of rounds
         last = rows[-1]
         assert last["filter_groups/kept_groups"] == 1.0 or last["filter_groups/rounds"] == 4
