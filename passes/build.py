@@ -184,9 +184,13 @@ def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float
     gc = choice.gens[u]
     items = list(gc.op_costs.items())
     mem = max((c.memory for _, c in items), key=lambda m: m.total)
-    if gc.reshard is not None:  # co-located: the training state stays, the engine adds its weights
-        mem = replace(mem, weights=gc.weights_gb)
-    plan_mem = _plan_mem(mem, 0.0 if gc.swapped else choice.resident_gb)
+    other = 0.0 if gc.swapped else choice.resident_gb
+    if gc.reshard is not None and not gc.swapped:
+        # co-located with the training state: the engine reads its whole shard (the weights shown), of
+        # which it holds only what the training shards lack; the rest it shares with them, so it leaves
+        # the other roles' column (no byte is counted twice)
+        other -= max(gc.shard_gb - gc.weights_gb, 0.0)
+    plan_mem = _plan_mem(replace(mem, weights=max(gc.shard_gb, gc.weights_gb)), other)
     ph = _phase(pool, choice.devices, devs, gc.layout, plan_mem, cap, items, max(c.waves for _, c in items), 0.0)
     return ph.model_copy(update={"sleeps_colocated": gc.swapped})
 

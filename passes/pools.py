@@ -38,6 +38,7 @@ class GenChoice:
     free_gb: float
     swapped: bool = False  # co-located resident state moved to host memory while generating
     swap_s: float = 0.0  # time of that round trip (inside the first generate op)
+    shard_gb: float = 0.0  # the engine's whole weight shard (what it reads, held or shared)
 
 
 @dataclass(frozen=True)
@@ -184,10 +185,15 @@ class PoolTable:
                     extra = generation_weights_gb(m, lay)
                 host_used = sum(o.host_gb for o in chosen.values())
                 swap_ok = t.pins.sleep_colocated and resident > 0 and host_used + resident <= t.hw.host_per_device_gb + 1e-9
+                shard = generation_weights_gb(m, lay)
                 for swapped in (False, True) if swap_ok else (False,):
-                    # with room in host memory, the co-located state can sleep there while the engine generates
-                    free = self.cap - extra - (0.0 if swapped else resident)
-                    swap_s = 2.0 * resident * GB / t.hw.host if swapped else 0.0
+                    # with room in host memory, the co-located state can sleep there while the engine generates;
+                    # a sleeping state cannot lend the engine its weights: the engine keeps a copy of its whole
+                    # shard on the device (taken before the state sleeps)
+                    held = max(shard, extra) if swapped else extra
+                    free = self.cap - held - (0.0 if swapped else resident)
+                    copy_s = (held - extra) * GB / t.hw.hbm if swapped else 0.0
+                    swap_s = 2.0 * resident * GB / t.hw.host + copy_s if swapped else 0.0
                     costs: dict[str, PhaseCost] = {}
                     for i, op in enumerate(u.ops):
                         c = generate_cost(m, lay, t.demand[op], t.hw, free_gb=free)
@@ -197,7 +203,7 @@ class PoolTable:
                             c = replace(c, time=c.time + swap_s, detail={**c.detail, "swap": swap_s})
                         costs[op] = c
                     if len(costs) == len(u.ops):
-                        options.append(GenChoice(g, lay, costs, rs, extra, free, swapped, swap_s))
+                        options.append(GenChoice(g, lay, costs, rs, held, free, swapped, swap_s, shard))
             if not options:
                 return None
             options.sort(key=lambda c: sum(x.time for x in c.op_costs.values()) + (c.reshard.time if c.reshard else 0.0))

@@ -82,17 +82,21 @@ def nested(train: Layout, gen: Layout) -> bool:
     return tl % gl == 0 and tt % gt == 0
 
 
+def overlap_bytes(m: ModelSpec, train: Layout, gen: Layout) -> float:
+    """Bytes of a device's generation shard that its own training shard holds, at best
+    (co-located): the overlap of the two rectangles when they are aligned."""
+    tl, tt = _grid(train, False)
+    gl, gt = _grid(gen, True)
+    return float(m.weight_bytes) * float(min(Fraction(1, tl), Fraction(1, gl)) * min(Fraction(1, tt), Fraction(1, gt)))
+
+
 def lower_bound_bytes(m: ModelSpec, train: Layout, gen: Layout, colocated: bool) -> float:
     """Bytes a generation device must receive at least: its shard, less the
     part its own training shard already holds."""
-    big_m = float(m.weight_bytes)
-    need = big_m / gen_shards(gen)
+    need = float(m.weight_bytes) / gen_shards(gen)
     if not colocated:
         return need
-    tl, tt = _grid(train, False)
-    gl, gt = _grid(gen, True)
-    own = big_m * min(Fraction(1, tl), Fraction(1, gl)) * min(Fraction(1, tt), Fraction(1, gt))
-    return max(need - float(own), 0.0)
+    return max(need - overlap_bytes(m, train, gen), 0.0)
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,9 @@ def colocated_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw) -> list[
     bw = min(hw.intra, hw.inter) if crosses else hw.intra
     per_dev = big_m * (s_t - 1) / s_t
     t = gather_time(big_m, s_t, bw, hw.latency) + wake
-    extra = own_copy if own_copy is not None else max(big_m / s_g - big_m / s_t, 0.0) / 1e9
+    # the engine holds its whole shard; only the part its own training shard holds is shared (when the
+    # shards do not nest, that is less than the training shard: a pp cut feeding a tp cut)
+    extra = own_copy if own_copy is not None else lower_bound_bytes(m, train, gen, colocated=True) / 1e9
     out.append(ReshardCost("full_allgather", per_dev, per_dev * devices, t, "inter-node" if crosses else "intra-node", extra))
     return _with_reload(out, m, gen, hw)
 

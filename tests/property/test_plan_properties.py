@@ -23,7 +23,7 @@ from flowc.ir.plan_verify import device_ids, verify_plan
 from flowc.ir.verify import verify
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
-from flowc.passes.costs import Hw, forward_cost
+from flowc.passes.costs import Hw, forward_cost, generation_weights_gb
 from flowc.passes.flops import Demand
 from flowc.passes.options import OptionTable, divisors, pareto
 from flowc.passes.pins import Pins
@@ -99,6 +99,21 @@ def check_deliveries(plan):
             assert total >= Fraction(1, s_g), f"{r.method}: device {dev} misses part of its shard"
 
 
+def check_memory(plan, model):
+    """No role's weights show as 0 GB on a device that runs it, a generation engine shows at least
+    its whole weight shard (held, or shared with the co-located training state), and no category
+    is negative (sharing never takes more from the other roles than they hold)."""
+    for role, rp in plan.roles.items():
+        for phase, ph in rp.phases.items():
+            mem = ph.memory
+            # (offloaded parameters live in host memory; the device holds a layer at a time, in buffers)
+            assert mem.weights > 0 or ph.layout.offload_params, f"{role}.{phase} shows 0 GB of weights"
+            assert min(mem.weights, mem.gradients, mem.optimizer, mem.kv_cache, mem.other_roles) >= -1e-9, (role, phase, mem)
+            if phase == "generate":
+                floor = generation_weights_gb(model, ph.layout)
+                assert mem.weights >= floor - 1e-3, f"{role}.generate shows {mem.weights} GB of a {floor} GB shard"
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(flows, models(), clusters, workloads)
 def test_random_plans_verify(flow, model, cluster, workload):
@@ -113,6 +128,7 @@ def test_random_plans_verify(flow, model, cluster, workload):
     verify_plan(plan)
     verify(planned, "planned")
     check_deliveries(plan)
+    check_memory(plan, model)
     for r in plan.reshards:
         assert r.bytes_per_device + 1 >= r.lower_bound_bytes
     again, _, _ = make_plan(g, roles, cluster, workload)
@@ -146,6 +162,7 @@ def test_the_plan_the_search_ranks_is_the_plan_emitted(flow, model, cluster, wor
         plan, _, ctx = make_plan(g, roles, cluster, workload, pins)
     except InfeasibleError:
         return
+    check_memory(plan, model)
     best = ctx.search.ranked[0]
     assert plan.predicted.step_time_s == pytest.approx(best.step, rel=1e-6, abs=1e-6)
     ranked = {op: t for ch in best.choices for op, t in ch.op_times.items()}

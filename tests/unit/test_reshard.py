@@ -184,3 +184,40 @@ def test_whole_tensor_methods_price_what_the_runtime_moves(tp, pp, dp, fsdp, gtp
         assert o.bytes_per_device == pytest.approx(m - m / s_t), o.method
     for o in whole_tensor_options(separate_options(M70, train, gen, A100, same_node=False), gen):
         assert o.method == "broadcast" and o.bytes_per_device == pytest.approx(m)
+
+
+def test_a_non_nested_engine_holds_what_its_training_shard_lacks():
+    """A pp-cut training layout (layers split in two) feeding a tp-cut engine (every layer, half of
+    each tensor): the engine's shard is M/2, its own training shard holds only a quarter of the
+    model of it, so it holds M/4 more — not max(M/2 − M/2, 0) = 0 (issue 14, defect 3)."""
+    m7 = ModelSpec.resolve("qwen2.5-7b")
+    train = Layout(dp=4, tp=1, pp=2, backend="megatron")
+    gen = Layout(dp=4, tp=2, backend="vllm")
+    assert not nested(train, gen)
+    full = {o.method: o for o in colocated_options(m7, train, gen, Hw.of(ClusterSpec.parse("1x8xH100")))}["full_allgather"]
+    assert full.extra_memory_gb * 1e9 == pytest.approx(m7.weight_bytes / 4)
+
+
+def test_a_sleeping_training_state_lends_the_engine_no_weights():
+    """Megatron tp8 training co-located with a tp8 engine: the engine reads the training shards in
+    place, but when the training state sleeps in host memory during generation the engine must
+    hold its own copy — it never shows 0 GB of weights with the whole device left for the KV
+    cache (issue 14, defect 2)."""
+    from helpers import EXAMPLES
+
+    from flowc.ir.workload import WorkloadSpec
+    from flowc.loader import load_flow
+    from flowc.passes.costs import generation_weights_gb
+    from flowc.passes.pins import parse_pins
+    from flowc.passes.pipeline import make_plan
+
+    g = load_flow(str(EXAMPLES / "grpo.py")).trace(n=5)
+    m32 = ModelSpec.resolve("qwen2.5-32b")
+    pins = parse_pins(["actor.generate.tp=8", "actor.train.backend=megatron", "actor.train.tp=8"])
+    wl = WorkloadSpec.parse("prompts=512,prompt_len=2048,response_len=6144,mini_batches=2")
+    plan, _, _ = make_plan(g, {"actor": m32, "ref": m32}, ClusterSpec.parse("1x8xH20"), wl, pins)
+    gen = plan.roles["actor"].phases["generate"]
+    shard = generation_weights_gb(m32, gen.layout)
+    assert gen.sleeps_colocated and shard > 8
+    assert gen.memory.weights == pytest.approx(shard, abs=1e-3)
+    assert gen.memory.total <= gen.capacity_gb

@@ -359,7 +359,11 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     def layouts(p):
         return {(r, ph): x.layout for r, rp in p.roles.items() for ph, x in rp.phases.items()}
 
-    assert layouts(free) == layouts(plan)  # the runtime's limits keep every role's layout
+    sleeps = any(ph.sleeps_colocated for rp in free.roles.values() for ph in rp.phases.values())
+    if sleeps:  # the runtime cannot sleep a co-located state yet: the engine must fit beside it
+        assert not any(ph.sleeps_colocated for rp in plan.roles.values() for ph in rp.phases.values())
+    else:
+        assert layouts(free) == layouts(plan)  # the runtime's limits keep every role's layout
     # ... and only the weight-sync methods the runtime implements (whole tensors into vLLM's reload)
     assert {r.method for r in plan.reshards} <= {"in_place", "full_allgather", "broadcast", "micro_dp_allgather"}
     from flowc.ir.models import catalogue
