@@ -1,8 +1,12 @@
 """Resharding weights from the training layout to the layout of another phase.
 
-Geometry. A model's weights are a rectangle: the *layer* axis (cut by
-pipeline parallelism) times the *tensor* axis (each layer's matrices, cut by
-tensor parallelism or by FSDP). A layout gives every device a shard:
+Geometry. A model's weights are boxes on three axes — *layer* (cut by
+pipeline parallelism), *expert* and *tensor* (each matrix, cut by tensor
+parallelism or by FSDP) — in two parts: the dense weights and an MoE model's
+routed experts (see :func:`grid`: Megatron cuts experts ``ep`` ways and keeps
+each whole, a vLLM engine cuts each by ``tp`` or, with ``ep = tp``, hands its
+ranks whole experts). Every method below is priced part by part; for the
+dense part a layout gives every device a shard:
 
 * Megatron training: layers ``[pp_r/p, (pp_r+1)/p)`` × tensor slice ``tp_r``
   of ``t`` — ``s_t = t·p`` shards, replicated over dp;
@@ -56,47 +60,97 @@ from flowc.passes.costs import Hw, gather_time
 F0, F1 = Fraction(0), Fraction(1)
 
 
-def train_shards(lay: Layout) -> int:
-    """``s_t``: distinct weight shards of a training layout."""
-    return lay.tp * lay.pp * (lay.dp * lay.cp if lay.fsdp else 1)
+PARTS = ("dense", "experts")
+Grid = tuple[int, int, int]  # cuts along the (layer, expert, tensor) axes
 
 
-def gen_shards(lay: Layout) -> int:
-    """``s_g``: distinct weight shards of a generation layout."""
-    return lay.tp * lay.pp
+def part_bytes(m: ModelSpec) -> dict[str, float]:
+    """The weights' bytes in each part: the dense rectangle and, for an MoE model, the experts."""
+    experts = float(m.expert_params_total) * m.bytes_per_param
+    out = {"dense": float(m.weight_bytes) - experts}
+    if experts:
+        out["experts"] = experts
+    return out
 
 
-def _grid(lay: Layout, generation: bool) -> tuple[int, int]:
-    """(layer cuts, tensor cuts) of a layout's shards."""
+def grid(lay: Layout, generation: bool, part: str = "dense") -> Grid:
+    """How a layout cuts one part of the weights, along (layer, expert, tensor).
+
+    Dense weights: ``pp`` layer cuts × ``tp`` tensor cuts (FSDP: ``dp·cp·tp`` cuts of every
+    tensor's first dimension). Experts in Megatron training are whole (expert tensor parallelism
+    1) and split ``ep`` ways along the expert axis (FSDP: along the fused expert tensors' first
+    dimension, the expert axis); a generation engine with ``ep > 1`` splits them over its tp ranks,
+    ``ep`` ways along the expert axis and ``tp/ep`` ways within each expert."""
     if generation:
-        return lay.pp, lay.tp
+        if part == "experts" and lay.ep > 1:
+            return lay.pp, lay.ep, max(lay.tp // lay.ep, 1)
+        return lay.pp, 1, lay.tp
     if lay.fsdp:
-        return 1, lay.dp * lay.cp * lay.tp
-    return lay.pp, lay.tp
+        s = lay.dp * lay.cp * lay.tp
+        return (1, s, 1) if part == "experts" else (1, 1, s)
+    return (lay.pp, max(lay.ep, 1), 1) if part == "experts" else (lay.pp, 1, lay.tp)
 
 
-def nested(train: Layout, gen: Layout) -> bool:
-    """Every generation shard is a union of whole training shards."""
-    tl, tt = _grid(train, False)
-    gl, gt = _grid(gen, True)
-    return tl % gl == 0 and tt % gt == 0
+def _count(g: Grid) -> int:
+    return g[0] * g[1] * g[2]
+
+
+def train_shards(lay: Layout, part: str = "dense") -> int:
+    """``s_t``: distinct weight shards of a training layout (of one part)."""
+    return _count(grid(lay, False, part))
+
+
+def gen_shards(lay: Layout, part: str = "dense") -> int:
+    """``s_g``: distinct weight shards of a generation layout (of one part)."""
+    return _count(grid(lay, True, part))
+
+
+def _parts(m: ModelSpec) -> dict[str, float]:
+    return {k: v for k, v in part_bytes(m).items() if v > 0}
+
+
+def nested(train: Layout, gen: Layout, parts: tuple[str, ...] = ("dense",)) -> bool:
+    """Every generation shard is a union of whole training shards (in every part)."""
+    for part in parts:
+        t, g = grid(train, False, part), grid(gen, True, part)
+        if any(a % b for a, b in zip(t, g, strict=True)):
+            return False
+    return True
+
+
+def _overlap(train: Layout, gen: Layout, part: str) -> Fraction:
+    """The share of a part both a device's training shard and its generation shard hold, aligned."""
+    t, g = grid(train, False, part), grid(gen, True, part)
+    out = F1
+    for a, b in zip(t, g, strict=True):
+        out *= min(Fraction(1, a), Fraction(1, b))
+    return out
+
+
+def gen_shard_bytes(m: ModelSpec, gen: Layout) -> float:
+    """The bytes of one generation device's shard (every part)."""
+    return sum(b / gen_shards(gen, part) for part, b in _parts(m).items())
 
 
 def overlap_bytes(m: ModelSpec, train: Layout, gen: Layout) -> float:
     """Bytes of a device's generation shard that its own training shard holds, at best
-    (co-located): the overlap of the two rectangles when they are aligned."""
-    tl, tt = _grid(train, False)
-    gl, gt = _grid(gen, True)
-    return float(m.weight_bytes) * float(min(Fraction(1, tl), Fraction(1, gl)) * min(Fraction(1, tt), Fraction(1, gt)))
+    (co-located): the overlap of the two boxes of every part when they are aligned."""
+    return sum(b * float(_overlap(train, gen, part)) for part, b in _parts(m).items())
 
 
 def lower_bound_bytes(m: ModelSpec, train: Layout, gen: Layout, colocated: bool) -> float:
     """Bytes a generation device must receive at least: its shard, less the
     part its own training shard already holds."""
-    need = float(m.weight_bytes) / gen_shards(gen)
+    need = gen_shard_bytes(m, gen)
     if not colocated:
         return need
     return max(need - overlap_bytes(m, train, gen), 0.0)
+
+
+def _contained(train: Layout, gen: Layout, part: str) -> bool:
+    """A device's generation shard of ``part`` lies inside its training shard (nothing to fetch)."""
+    t, g = grid(train, False, part), grid(gen, True, part)
+    return all(b % a == 0 for a, b in zip(t, g, strict=True))
 
 
 @dataclass(frozen=True)
@@ -111,20 +165,21 @@ class ReshardCost:
 
 def _micro_dp_link(hw: Hw, train: Layout, gen: Layout) -> tuple[float, str]:
     """Bandwidth of the micro-DP group: the training shards inside one generation shard."""
-    tl, tt = _grid(train, False)
-    gl, gt = _grid(gen, True)
-    stages, slices = tl // gl, tt // gt
+    t, g = grid(train, False), grid(gen, True)
+    stages, slices = t[0] // g[0], t[2] // g[2]
     if train.fsdp:  # tensor slices are consecutive ranks
         span = slices
     else:  # tp ranks are consecutive; pipeline stages are tp·cp·dp ranks apart
         span = (stages - 1) * train.tp * train.cp * train.dp + slices
+    if train.ep > 1 and not train.fsdp:  # expert ranks are consecutive within a stage
+        span = max(span, (stages - 1) * train.tp * train.cp * train.dp + train.ep)
     crosses = hw.nodes > 1 and span > hw.node
     return (min(hw.intra, hw.inter) if crosses else hw.intra), ("inter-node" if crosses else "intra-node")
 
 
 def _with_reload(options: list[ReshardCost], m: ModelSpec, gen: Layout, hw: Hw) -> list[ReshardCost]:
     """Every method ends with the engine taking its shard in (vLLM's in-place reload)."""
-    reload = hw.engine_reload(gen.backend, float(m.weight_bytes) / gen_shards(gen))
+    reload = hw.engine_reload(gen.backend, gen_shard_bytes(m, gen))
     return [dataclasses.replace(o, time=o.time + reload) for o in options] if reload else options
 
 
@@ -134,36 +189,42 @@ def colocated_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw) -> list[
     Megatron keeps bf16 parameters, so the generation engine can use the
     training shards in place and hold only what it gathers; FSDP2 keeps fp32
     shards, so the engine holds its own bf16 copy of its shard, sleeping
-    through training with it in host memory."""
-    big_m = float(m.weight_bytes)
-    s_t, s_g = train_shards(train), gen_shards(gen)
+    through training with it in host memory. Every part of the weights (the
+    dense rectangle, and an MoE model's experts, cut by ``ep``) is priced."""
+    parts = _parts(m)
+    names = tuple(parts)
+    shard = gen_shard_bytes(m, gen)
     devices = train.world
     # FSDP2 (sharded or replicated) keeps fp32 state: the engine holds its own copy of its shard,
     # sleeping through training with it in host memory (on GPUs)
     copy = train.fsdp or train.backend == "fsdp2"
-    own_copy = big_m / s_g / 1e9 if copy else None
-    wake = big_m / s_g / hw.host if copy and hw.kind == "gpu" else 0.0
+    own_copy = shard / 1e9 if copy else None
+    wake = shard / hw.host if copy and hw.kind == "gpu" else 0.0
+    held = lower_bound_bytes(m, train, gen, colocated=True)  # what the engine holds beyond its training shard
     out: list[ReshardCost] = []
-    if not train.fsdp and (train.pp, train.tp) == (gen.pp, gen.tp):
+    lined_up = aligned(train, gen, names)
+    if not train.fsdp and lined_up and all(_contained(train, gen, part) for part in names):
         # the engine reads the training shard in place (a local copy when it keeps its own)
-        local = big_m / s_g / hw.hbm if copy else 0.0
+        local = shard / hw.hbm if copy else 0.0
         out.append(ReshardCost("in_place", 0.0, 0.0, local, "none", own_copy or 0.0))
-    if nested(train, gen) and s_t > s_g:
-        k = s_t // s_g
+    s_t = {part: train_shards(train, part) for part in names}
+    s_g = {part: gen_shards(gen, part) for part in names}
+    if lined_up and nested(train, gen, names) and any(s_t[p] > s_g[p] for p in names):
         bw, link = _micro_dp_link(hw, train, gen)
-        per_dev = big_m / s_g - big_m / s_t
-        t = gather_time(big_m / s_g, k, bw, hw.latency) + wake
+        per_dev = sum(b / s_g[p] - b / s_t[p] for p, b in parts.items())
+        t = sum(gather_time(b / s_g[p], s_t[p] // s_g[p], bw, hw.latency) for p, b in parts.items()) + wake
         extra = own_copy if own_copy is not None else per_dev / 1e9
         out.append(ReshardCost("micro_dp_allgather", per_dev, per_dev * devices, t, link, extra))
-    if s_t == 1:
-        return _with_reload(out, m, gen, hw)  # nothing to gather
+    if all(n == 1 for n in s_t.values()):
+        return _with_reload(out, m, gen, hw)  # every device holds the whole model: nothing to gather
     crosses = hw.nodes > 1 and devices > hw.node
     bw = min(hw.intra, hw.inter) if crosses else hw.intra
-    per_dev = big_m * (s_t - 1) / s_t
-    t = gather_time(big_m, s_t, bw, hw.latency) + wake
+    per_dev = sum(b * (s_t[p] - 1) / s_t[p] for p, b in parts.items())
+    t = sum(gather_time(b, s_t[p], bw, hw.latency) for p, b in parts.items()) + wake
     # the engine holds its whole shard; only the part its own training shard holds is shared (when the
-    # shards do not nest, that is less than the training shard: a pp cut feeding a tp cut)
-    extra = own_copy if own_copy is not None else lower_bound_bytes(m, train, gen, colocated=True) / 1e9
+    # shards do not nest, that is less than the training shard: a pp cut feeding a tp cut, or experts
+    # split by ep feeding an engine that splits every expert by tp)
+    extra = own_copy if own_copy is not None else held / 1e9
     out.append(ReshardCost("full_allgather", per_dev, per_dev * devices, t, "inter-node" if crosses else "intra-node", extra))
     return _with_reload(out, m, gen, hw)
 
@@ -171,19 +232,20 @@ def colocated_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw) -> list[
 def separate_options(m: ModelSpec, train: Layout, gen: Layout, hw: Hw, *, same_node: bool) -> list[ReshardCost]:
     """Methods available when generation runs on devices of its own."""
     big_m = float(m.weight_bytes)
-    s_t, s_g = train_shards(train), gen_shards(gen)
+    s_t = max(train_shards(train, p) for p in _parts(m))
     link_bw = hw.intra if same_node else min(hw.intra, hw.inter)
     link = "intra-node" if same_node else "inter-node"
     n_gen = gen.world
-    gen_w = big_m / s_g / 1e9
+    shard = gen_shard_bytes(m, gen)
+    gen_w = shard / 1e9
     # broadcast: the training side assembles full buckets, every generation device receives the whole model
     assemble = gather_time(big_m, s_t, hw.link(s_t), hw.latency) if s_t > 1 else 0.0
     bcast = assemble + big_m / link_bw + math.ceil(big_m / 256e6) * hw.latency * math.log2(max(n_gen, 2))
     out = [ReshardCost("broadcast", big_m, big_m * n_gen, bcast, link, gen_w)]
     # p2p: each generation device receives only its shard; all training devices send
     send_bytes = big_m * gen.dp / train.world  # every generation replica needs the whole model once
-    p2p = max(big_m / s_g / link_bw, send_bytes / link_bw) + math.ceil(big_m / s_g / 256e6) * hw.latency
-    out.append(ReshardCost("p2p", big_m / s_g, big_m * gen.dp, p2p, link, gen_w))
+    p2p = max(shard / link_bw, send_bytes / link_bw) + math.ceil(shard / 256e6) * hw.latency
+    out.append(ReshardCost("p2p", shard, big_m * gen.dp, p2p, link, gen_w))
     return _with_reload(out, m, gen, hw)
 
 
@@ -230,22 +292,31 @@ def sync_cost(
 
 
 # ---------------------------------------------------------------- deliveries
-Rect = tuple[Fraction, Fraction, Fraction, Fraction]  # layer lo, hi, tensor lo, hi
+Rect = tuple[Fraction, Fraction, Fraction, Fraction, Fraction, Fraction]  # (lo, hi) on the layer, expert, tensor axes
+WHOLE: Rect = (F0, F1, F0, F1, F0, F1)
 
 
 @dataclass(frozen=True)
 class Delivery:
-    """One rectangle of the weights sent from ``src`` to ``dst`` (global device
-    ids; ``src == dst`` means it is already there)."""
+    """One box of one part of the weights sent from ``src`` to ``dst`` (global
+    device ids; ``src == dst`` means it is already there)."""
 
     src: int
     dst: int
     rect: Rect
+    part: str = "dense"
 
     @property
     def area(self) -> Fraction:
-        a, b, c, d = self.rect
-        return (b - a) * (d - c)
+        return _area(self.rect)
+
+
+def _area(r: Rect) -> Fraction:
+    return (r[1] - r[0]) * (r[3] - r[2]) * (r[5] - r[4])
+
+
+def _box(g: Grid, idx: tuple[int, int, int]) -> Rect:
+    return tuple(x for n, i in zip(g, idx, strict=True) for x in (Fraction(i, n), Fraction(i + 1, n)))  # type: ignore[return-value]
 
 
 def _coords(lay: Layout, rank: int) -> tuple[int, int, int, int]:
@@ -258,66 +329,110 @@ def _coords(lay: Layout, rank: int) -> tuple[int, int, int, int]:
     )
 
 
-def train_rect(lay: Layout, rank: int) -> Rect:
+def _expert_coords(lay: Layout, rank: int) -> tuple[int, int]:
+    """(expert rank, expert-data-parallel rank) of a Megatron rank: with expert tensor parallelism 1,
+    the ranks of a pipeline stage (tp fastest, then cp, dp) take the ``ep`` expert shards in turn."""
+    tp_r, cp_r, dp_r, _ = _coords(lay, rank)
+    local = tp_r + lay.tp * (cp_r + lay.cp * dp_r)
+    ep = max(lay.ep, 1)
+    return local % ep, local // ep
+
+
+def train_rect(lay: Layout, rank: int, part: str = "dense") -> Rect:
+    """A training rank's box of one part of the weights."""
     tp_r, cp_r, dp_r, pp_r = _coords(lay, rank)
+    g = grid(lay, False, part)
     if lay.fsdp:
-        s = lay.dp * lay.cp * lay.tp
         i = (dp_r * lay.cp + cp_r) * lay.tp + tp_r
-        return (F0, F1, Fraction(i, s), Fraction(i + 1, s))
-    return (Fraction(pp_r, lay.pp), Fraction(pp_r + 1, lay.pp), Fraction(tp_r, lay.tp), Fraction(tp_r + 1, lay.tp))
+        return _box(g, (0, i, 0) if part == "experts" else (0, 0, i))
+    if part == "experts":
+        return _box(g, (pp_r, _expert_coords(lay, rank)[0], 0))
+    return _box(g, (pp_r, 0, tp_r))
 
 
-def gen_rect_of_rank(gen: Layout, rank: int) -> Rect:
-    """A generation rank's shard (vLLM order: tp fastest, then pp, then replicas)."""
+def gen_rect_of_rank(gen: Layout, rank: int, part: str = "dense") -> Rect:
+    """A generation rank's box (vLLM order: tp fastest, then pp, then replicas)."""
     tp_r = rank % gen.tp
     pp_r = (rank // gen.tp) % gen.pp
-    return (Fraction(pp_r, gen.pp), Fraction(pp_r + 1, gen.pp), Fraction(tp_r, gen.tp), Fraction(tp_r + 1, gen.tp))
+    g = grid(gen, True, part)
+    if part == "experts" and gen.ep > 1:
+        return _box(g, (pp_r, tp_r // g[2], tp_r % g[2]))
+    return _box(g, (pp_r, 0, tp_r))
 
 
 def _cut(a: Rect, b: Rect) -> Rect | None:
-    r = (max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3]))
-    return r if r[0] < r[1] and r[2] < r[3] else None
+    r = tuple(max(a[i], b[i]) if i % 2 == 0 else min(a[i], b[i]) for i in range(6))
+    return r if all(r[i] < r[i + 1] for i in (0, 2, 4)) else None  # type: ignore[return-value]
 
 
 def _contains(outer: Rect, inner: Rect) -> bool:
-    return outer[0] <= inner[0] and inner[1] <= outer[1] and outer[2] <= inner[2] and inner[3] <= outer[3]
+    return all(outer[i] <= inner[i] and inner[i + 1] <= outer[i + 1] for i in (0, 2, 4))
 
 
-def colocated_gen_rect(train: Layout, gen: Layout, rank: int) -> Rect:
-    """The generation shard of a co-located device: the one containing its own training shard."""
-    own = train_rect(train, rank)
+def _nests(a: Rect, b: Rect) -> bool:
+    return _cut(a, b) is not None and (_contains(a, b) or _contains(b, a))
+
+
+def colocated_gen_rank(train: Layout, gen: Layout, rank: int, parts: tuple[str, ...] = ("dense",)) -> int:
+    """The generation shard of a co-located device: the one that nests with its own training
+    shard in every part."""
     for j in range(gen_shards(gen)):
-        g = gen_rect_of_rank(gen, j)
-        if _cut(g, own) is not None and (_contains(g, own) or _contains(own, g)):
-            return g
+        if all(_nests(gen_rect_of_rank(gen, j, p), train_rect(train, rank, p)) for p in parts):
+            return j
     raise ValueError("training and generation shards are not nested")
 
 
-def deliveries(method: str, train: Layout, gen: Layout, train_devices: list[int], gen_devices: list[int]) -> list[Delivery]:
-    """Every rectangle each generation device receives (small layouts only)."""
-    whole: Rect = (F0, F1, F0, F1)
-    holders: dict[Rect, list[int]] = {}
-    for r, dev in enumerate(train_devices):
-        holders.setdefault(train_rect(train, r), []).append(dev)
+def colocated_gen_rect(train: Layout, gen: Layout, rank: int, part: str = "dense", parts: tuple[str, ...] = ("dense",)) -> Rect:
+    return gen_rect_of_rank(gen, colocated_gen_rank(train, gen, rank, parts), part)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def aligned(train: Layout, gen: Layout, parts: tuple[str, ...]) -> bool:
+    """Every co-located device has a generation shard that nests with its training shard in every
+    part (divisible grids guarantee it for the dense part; expert shards must line up too)."""
+    if parts == ("dense",) or train.world > 4096:
+        return True
+    try:
+        for r in range(train.world):
+            colocated_gen_rank(train, gen, r, parts)
+    except ValueError:
+        return False
+    return True
+
+
+def _same_source(train: Layout, r: int, rr: int, part: str) -> bool:
+    """Whether co-located device ``r`` takes its pieces of ``part`` from ``rr``: its own data-parallel
+    replica (dense), its own expert-data-parallel replica (experts)."""
+    if train.fsdp:
+        return True
+    if part == "experts":
+        return _expert_coords(train, rr)[1] == _expert_coords(train, r)[1]
+    return _coords(train, rr)[1:3] == _coords(train, r)[1:3]
+
+
+def deliveries(
+    method: str, train: Layout, gen: Layout, train_devices: list[int], gen_devices: list[int], parts: tuple[str, ...] = ("dense",)
+) -> list[Delivery]:
+    """Every box of every part each generation device receives (small layouts only)."""
     out: list[Delivery] = []
-    if method in ("in_place", "micro_dp_allgather"):
+    for part in parts:
+        holders: dict[Rect, list[int]] = {}
         for r, dev in enumerate(train_devices):
-            target = colocated_gen_rect(train, gen, r)
-            _, cp_r, dp_r, _ = _coords(train, r)
-            for rr, other in enumerate(train_devices):
-                piece = _cut(train_rect(train, rr), target)
+            holders.setdefault(train_rect(train, r, part), []).append(dev)
+        if method in ("in_place", "micro_dp_allgather"):
+            for r, dev in enumerate(train_devices):
+                target = colocated_gen_rect(train, gen, r, part, parts)
+                for rr, other in enumerate(train_devices):
+                    piece = _cut(train_rect(train, rr, part), target)
+                    if piece is not None and _same_source(train, r, rr, part):
+                        out.append(Delivery(other, dev, piece, part))
+            continue
+        for g_rank, dev in enumerate(gen_devices):
+            target = WHOLE if method in ("full_allgather", "broadcast") else gen_rect_of_rank(gen, g_rank, part)
+            for rect, devs in holders.items():
+                piece = _cut(rect, target)
                 if piece is None:
                     continue
-                if not train.fsdp and _coords(train, rr)[1:3] != (cp_r, dp_r):
-                    continue  # take each piece from this device's own data-parallel replica
-                out.append(Delivery(other, dev, piece))
-        return out
-    for g_rank, dev in enumerate(gen_devices):
-        target = whole if method in ("full_allgather", "broadcast") else gen_rect_of_rank(gen, g_rank)
-        for rect, devs in holders.items():
-            piece = _cut(rect, target)
-            if piece is None:
-                continue
-            src = dev if dev in devs else devs[(g_rank // gen_shards(gen)) % len(devs)]
-            out.append(Delivery(src, dev, piece))
+                src = dev if dev in devs else devs[(g_rank // gen_shards(gen)) % len(devs)]
+                out.append(Delivery(src, dev, piece, part))
     return out

@@ -28,7 +28,7 @@ from flowc.passes.flops import Demand
 from flowc.passes.options import OptionTable, divisors, pareto
 from flowc.passes.pins import Pins
 from flowc.passes.pipeline import make_plan
-from flowc.passes.reshard import _cut, deliveries, gen_shards
+from flowc.passes.reshard import _cut, deliveries, gen_shards, part_bytes
 from flowc.passes.units import demands, units_of
 
 
@@ -80,7 +80,8 @@ workloads = st.builds(
 flows = st.sampled_from(FLOWS)
 
 
-def check_deliveries(plan):
+def check_deliveries(plan, model):
+    parts = tuple(part_bytes(model))
     for r in plan.reshards:
         if r.dst_phase != "generate" or (r.method == "in_place" and r.bytes_per_device == 0 and r.lower_bound_bytes == 0):
             continue
@@ -89,14 +90,15 @@ def check_deliveries(plan):
         if train.device_count * gen.device_count > 4096:
             continue
         t_dev, g_dev = sorted(device_ids(train.devices)), sorted(device_ids(gen.devices))
-        got = deliveries(r.method, train.layout, gen.layout, t_dev, g_dev)
-        s_g = gen_shards(gen.layout)
-        for dev in g_dev:
-            mine = [d for d in got if d.dst == dev]
-            for a, b in itertools.combinations(mine, 2):
-                assert _cut(a.rect, b.rect) is None, f"{r.method}: a piece reaches device {dev} twice"
-            total = sum((d.area for d in mine), Fraction(0))
-            assert total >= Fraction(1, s_g), f"{r.method}: device {dev} misses part of its shard"
+        got = deliveries(r.method, train.layout, gen.layout, t_dev, g_dev, parts)
+        for part in parts:
+            s_g = gen_shards(gen.layout, part)
+            for dev in g_dev:
+                mine = [d for d in got if d.dst == dev and d.part == part]
+                for a, b in itertools.combinations(mine, 2):
+                    assert _cut(a.rect, b.rect) is None, f"{r.method}: a piece of the {part} reaches device {dev} twice"
+                total = sum((d.area for d in mine), Fraction(0))
+                assert total >= Fraction(1, s_g), f"{r.method}: device {dev} misses part of its {part} shard"
 
 
 def check_memory(plan, model):
@@ -127,7 +129,7 @@ def test_random_plans_verify(flow, model, cluster, workload):
         return
     verify_plan(plan)
     verify(planned, "planned")
-    check_deliveries(plan)
+    check_deliveries(plan, model)
     check_memory(plan, model)
     for r in plan.reshards:
         assert r.bytes_per_device + 1 >= r.lower_bound_bytes

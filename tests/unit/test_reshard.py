@@ -14,6 +14,8 @@ from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.passes.costs import Hw
 from flowc.passes.reshard import (
+    WHOLE,
+    _area,
     _cut,
     colocated_gen_rect,
     colocated_options,
@@ -22,6 +24,7 @@ from flowc.passes.reshard import (
     gen_shards,
     lower_bound_bytes,
     nested,
+    part_bytes,
     separate_options,
     train_shards,
     whole_tensor_options,
@@ -66,26 +69,27 @@ def test_separate_pools_p2p_moves_only_the_shard():
     assert opts["p2p"].time < opts["broadcast"].time
 
 
-def _check_exactly_once(method, train, gen, train_devs, gen_devs):
-    """Every generation device receives its shard (or, for the full methods,
-    the whole model), each piece exactly once; returns the deliveries."""
-    got = deliveries(method, train, gen, train_devs, gen_devs)
+def _check_exactly_once(method, train, gen, train_devs, gen_devs, parts=("dense",)):
+    """Every generation device receives its shard of every part (or, for the full methods, the
+    whole model), each piece exactly once; returns the deliveries."""
+    got = deliveries(method, train, gen, train_devs, gen_devs, parts)
     colocated = method in ("in_place", "micro_dp_allgather")
-    s_g = gen_shards(gen)
-    for g_rank, dev in enumerate(gen_devs):
-        mine = [d for d in got if d.dst == dev]
-        for a, b in itertools.combinations(mine, 2):
-            assert _cut(a.rect, b.rect) is None, f"{method}: a piece reaches device {dev} twice"
-        if method in ("full_allgather", "broadcast"):
-            target = (Fraction(0), Fraction(1), Fraction(0), Fraction(1))
-        elif colocated:
-            target = colocated_gen_rect(train, gen, train_devs.index(dev))
-        else:
-            target = gen_rect_of_rank(gen, g_rank)
-        assert all(_cut(d.rect, target) == d.rect for d in mine), "a piece outside the shard"
-        assert sum((d.area for d in mine), Fraction(0)) == (target[1] - target[0]) * (target[3] - target[2])
-        if not colocated and method == "p2p":
-            assert sum((d.area for d in mine), Fraction(0)) == Fraction(1, s_g)
+    for part in parts:
+        s_g = gen_shards(gen, part)
+        for g_rank, dev in enumerate(gen_devs):
+            mine = [d for d in got if d.dst == dev and d.part == part]
+            for a, b in itertools.combinations(mine, 2):
+                assert _cut(a.rect, b.rect) is None, f"{method}: a piece of the {part} reaches device {dev} twice"
+            if method in ("full_allgather", "broadcast"):
+                target = WHOLE
+            elif colocated:
+                target = colocated_gen_rect(train, gen, train_devs.index(dev), part, parts)
+            else:
+                target = gen_rect_of_rank(gen, g_rank, part)
+            assert all(_cut(d.rect, target) == d.rect for d in mine), "a piece outside the shard"
+            assert sum((d.area for d in mine), Fraction(0)) == _area(target), f"{method}: device {dev} misses {part}"
+            if not colocated and method == "p2p":
+                assert sum((d.area for d in mine), Fraction(0)) == Fraction(1, s_g)
     return got
 
 
@@ -221,3 +225,84 @@ def test_a_sleeping_training_state_lends_the_engine_no_weights():
     assert gen.sleeps_colocated and shard > 8
     assert gen.memory.weights == pytest.approx(shard, abs=1e-3)
     assert gen.memory.total <= gen.capacity_gb
+
+
+MOE = ModelSpec.resolve("qwen3-30b-a3b")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2]),
+    dp=st.sampled_from([1, 2, 4, 8]),
+    ep=st.sampled_from([1, 2, 4, 8]),
+    tg=st.sampled_from([1, 2, 4, 8]),
+    gen_ep=st.booleans(),
+    fsdp=st.booleans(),
+)
+def test_experts_are_a_third_axis_every_piece_arrives_exactly_once(tp, pp, dp, ep, tg, gen_ep, fsdp):
+    """An MoE model's experts, split by ep in training and by tp (or ep = tp) in generation, are
+    priced and delivered like the dense weights: every piece of every part arrives exactly once,
+    the bytes each method moves are the bytes it is priced at, never below the lower bound, and a
+    method the layouts cannot line up for is not offered (issue 14, defect 1)."""
+    if fsdp:
+        train = Layout(dp=tp * pp * dp, tp=1, backend="fsdp2", fsdp=True)
+    else:
+        if (tp * dp) % ep:
+            return
+        train = Layout(dp=dp, tp=tp, pp=pp, ep=ep, backend="megatron")
+    world = train.world
+    if world % tg or world > 64:
+        return
+    gen = Layout(dp=world // tg, tp=tg, ep=tg if gen_ep and tg > 1 else 1, backend="vllm")
+    parts = tuple(part_bytes(MOE))
+    assert parts == ("dense", "experts")
+    devs = list(range(world))
+    for opt in colocated_options(MOE, train, gen, A100):
+        got = _check_exactly_once(opt.method, train, gen, devs, devs, parts)
+        moved = max(sum(float(d.area) * part_bytes(MOE)[d.part] for d in got if d.dst == dev and d.src != d.dst) for dev in devs)
+        assert moved == pytest.approx(opt.bytes_per_device, rel=1e-9, abs=1.0), opt.method
+        assert opt.bytes_per_device + 1 >= lower_bound_bytes(MOE, train, gen, colocated=True)
+    other = list(range(world, 2 * world))
+    for opt in separate_options(MOE, train, gen, A100, same_node=False):
+        got = _check_exactly_once(opt.method, train, gen, devs, other, parts)
+        moved = max(sum(float(d.area) * part_bytes(MOE)[d.part] for d in got if d.dst == dev) for dev in other)
+        assert moved == pytest.approx(opt.bytes_per_device, rel=1e-9)
+
+
+def test_expert_parallel_training_feeds_a_tp_engine():
+    """The issue's layout: Megatron tp1 pp1 ep8 training co-located with a tp1 or tp2 engine. The
+    training shard holds an eighth of the experts, so the engine cannot read it in place: a full
+    all-gather brings the rest, and the engine holds its whole shard less what it shares."""
+    train = Layout(dp=8, tp=1, pp=1, ep=8, backend="megatron")
+    parts = part_bytes(MOE)
+    for tg in (1, 2):
+        gen = Layout(dp=8 // tg, tp=tg, backend="vllm")
+        opts = {o.method: o for o in colocated_options(MOE, train, gen, A100)}
+        assert "in_place" not in opts and "full_allgather" in opts, opts
+        shard = parts["dense"] / tg + parts["experts"] / tg
+        own = parts["dense"] / tg + parts["experts"] / 8 / tg  # its dense shard, and its eighth of the experts' shard
+        assert opts["full_allgather"].extra_memory_gb * 1e9 == pytest.approx(shard - own, rel=1e-9)
+        assert opts["full_allgather"].extra_memory_gb > 10  # most of a 61 GB model's experts, not 0.0 GB
+
+
+@pytest.mark.parametrize("tg", [1, 2])
+def test_the_published_expert_layout_can_be_pinned(tg):
+    """verl's Qwen3-30B-A3B layout (Megatron ep8 training, a small-tp vLLM engine, all co-located)
+    plans, with the engine's weights counted (it used to fail for tp2 — "no memory left for the KV
+    cache" — and show 0.0 GB of weights for tp1)."""
+    from helpers import EXAMPLES
+
+    from flowc.ir.workload import WorkloadSpec
+    from flowc.loader import load_flow
+    from flowc.passes.pins import parse_pins
+    from flowc.passes.pipeline import make_plan
+
+    g = load_flow(str(EXAMPLES / "grpo.py")).trace(n=32)
+    train = ["actor.train.backend=megatron", "actor.train.tp=1", "actor.train.pp=1", "actor.train.ep=8"]
+    pins = parse_pins([f"actor.generate.tp={tg}", *train, "colocate=actor.train,actor.gen,ref"])
+    wl = WorkloadSpec.parse("prompts=64,prompt_len=256,response_len=3840,mean_response_len=2940,mini_batches=4")
+    plan, _, _ = make_plan(g, {"actor": MOE, "ref": MOE}, ClusterSpec.parse("4x8xH100"), wl, pins)
+    gen = plan.roles["actor"].phases["generate"]
+    assert gen.tp == tg and gen.memory.weights > 25
+    assert plan.generation_sync("actor").method == "full_allgather"
