@@ -7,6 +7,8 @@ devices with more memory to turn the failure into a fix.
 
 from __future__ import annotations
 
+import time
+
 from flowc.errors import InfeasibleError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.graph import FlowGraph
@@ -19,6 +21,29 @@ from flowc.passes.pools import PoolTable
 from flowc.passes.schedule import op_specs
 from flowc.passes.search import Searcher, SearchResult
 from flowc.passes.units import demands
+
+BUDGET_S = 5.0  # the fix-it probes stop after this long and say what they tried
+
+
+class _Budget:
+    """A deadline shared by the fix-it probes, and a record of what they tried."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        seconds = BUDGET_S if seconds is None else seconds
+        self.end = time.monotonic() + seconds
+        self.seconds = seconds
+        self.tried: list[str] = []
+        self.out = False
+
+    def left(self) -> bool:
+        if time.monotonic() > self.end:
+            self.out = True
+        return not self.out
+
+    def note(self) -> str | None:
+        if not self.out:
+            return None
+        return f"stopped looking for a fix after {self.seconds:g} s (tried {', '.join(self.tried) or 'nothing'})"
 
 
 def tables(g: FlowGraph, ctx: PlanContext, cluster: ClusterSpec, workload: WorkloadSpec) -> tuple[Hw, OptionTable, PoolTable]:
@@ -52,55 +77,79 @@ def diagnose(g: FlowGraph, ctx: PlanContext, result: SearchResult) -> Infeasible
             f"{len(failing)} of {len(table.units)} roles/phases do not fit on {world} {ctx.cluster.device} devices{pinned}: "
             + "; ".join(r for _, r in failing)
         )
-        hints = _what_would_fit(g, ctx, [u for u, _ in failing])
+        budget = _Budget()
+        hints = _what_would_fit(g, ctx, [u for u, _ in failing], budget)
+        if not ctx.pins.is_empty():
+            hints.insert(0, "change or drop the pins named above")
+        if budget.note():
+            hints.append(budget.note())
         return InfeasibleError(what, fix="; or ".join(hints))
     reasons = "; ".join(f"{' | '.join('+'.join(b) for b in p)}: {r}" for p, r in list(result.infeasible.items())[:3])
     hints = []
+    budget = _Budget()
     node = ctx.cluster.devices_per_node
     for k in (2, 4, 8):
+        if not budget.left():
+            break
         bigger = ClusterSpec(device=ctx.cluster.device, nodes=ctx.cluster.nodes * k, devices_per_node=node)
+        budget.tried.append(f"{bigger.world_size} devices")
         if searcher(g, ctx, bigger, ctx.workload).run().ranked:
             hints.append(f"it plans on {bigger.world_size} devices (--cluster {bigger.nodes}x{node}x{ctx.cluster.device})")
             break
     r = ctx.workload.response_len
     for div in (2, 4, 8):
+        if not budget.left():
+            break
         w = ctx.workload.model_copy(update={"response_len": max(r // div, 1), "mean_response_len": None})
+        budget.tried.append(f"response_len={w.response_len}")
         if searcher(g, ctx, ctx.cluster, w).run().ranked:
             hints.append(f"with response_len={w.response_len} (--workload response_len={w.response_len})")
             break
     if not ctx.pins.is_empty():
         hints.append("drop or change the pins")
+    if budget.note():
+        hints.append(budget.note())
     return InfeasibleError(
         f"every role fits on its own, but no co-location fits on {world} devices{pinned}: {reasons}",
         fix="; or ".join(hints) or "add devices, allow offload, or shorten response_len",
     )
 
 
-def _what_would_fit(g: FlowGraph, ctx: PlanContext, units: list[str]) -> list[str]:
+def _what_would_fit(g: FlowGraph, ctx: PlanContext, units: list[str], budget: _Budget) -> list[str]:
     hints: list[str] = []
     node = ctx.cluster.devices_per_node
     # more devices of the same type: the smallest multiple of the cluster that fits each failing unit
+    largest = 0
     for k in (2, 4, 8, 16, 32, 64):
+        if not budget.left():
+            break
         bigger = ClusterSpec(device=ctx.cluster.device, nodes=ctx.cluster.nodes * k, devices_per_node=node)
+        largest = bigger.world_size
         if all(_fits_alone(g, ctx, u, bigger, ctx.workload) for u in units):
             hints.append(f"each fits alone on {bigger.world_size} devices (--cluster {bigger.nodes}x{node}x{ctx.cluster.device})")
             break
     else:
-        hints.append(f"no cluster up to {ctx.cluster.world_size * 64} {ctx.cluster.device} devices fits them")
+        hints.append(f"no cluster up to {largest} {ctx.cluster.device} devices fits them")
+    if largest:
+        budget.tried.append(f"clusters up to {largest} devices")
     # a shorter response
     lo, hi, found = 1, ctx.workload.response_len - 1, None
-    while lo <= hi:
+    while lo <= hi and budget.left():
         mid = (lo + hi) // 2
         w = ctx.workload.model_copy(update={"response_len": mid, "mean_response_len": None})
         if all(_fits_alone(g, ctx, u, ctx.cluster, w) for u in units):
             found, lo = mid, mid + 1
         else:
             hi = mid - 1
+    budget.tried.append("shorter responses")
     if found:
         hints.append(f"they fit with response_len <= {found} (--workload response_len={found})")
     # a device with more memory
     bigger_dev = [p for p in profiles().values() if p.kind == "gpu" and p.memory_gb > ctx.cluster.profile.memory_gb]
     for p in sorted(bigger_dev, key=lambda p: p.memory_gb):
+        if not budget.left():
+            break
+        budget.tried.append(p.name)
         other = ClusterSpec(device=p.name, nodes=ctx.cluster.nodes, devices_per_node=node)
         if all(_fits_alone(g, ctx, u, other, ctx.workload) for u in units):
             hints.append(f"they fit on the same number of {p.name} ({p.memory_gb:.0f} GB)")

@@ -55,17 +55,30 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def tp_choices(m: ModelSpec, d: int, hw: Hw) -> list[int]:
+def tp_choices(m: ModelSpec, d: int, hw: Hw, *, across_nodes: bool = False) -> list[int]:
+    """Tensor-parallel degrees for ``m`` on ``d`` devices: within a node, or (``across_nodes``, for
+    generation engines too large for one node's tp group) whole nodes' worth over several nodes."""
     out = []
-    for tp in divisors(min(d, hw.node)):
-        if d % tp:
-            continue
-        if m.num_heads % tp:
-            continue
-        if m.num_kv_heads % tp and tp % m.num_kv_heads:
-            continue
-        out.append(tp)
+    limit = d if across_nodes else min(d, hw.node)
+    for tp in divisors(limit):
+        if tp_refusal(m, d, tp, hw, across_nodes=across_nodes) is None:
+            out.append(tp)
     return out
+
+
+def tp_refusal(m: ModelSpec, d: int, tp: int, hw: Hw, *, across_nodes: bool = False) -> str | None:
+    """Why ``tp`` cannot split ``m`` on ``d`` devices (None: it can)."""
+    if d % tp:
+        return f"tp={tp} does not divide the {d} devices"
+    if tp > hw.node and not across_nodes:
+        return f"tp={tp} spans more than a node ({hw.node} devices); only generation engines cross nodes"
+    if tp > hw.node and tp % hw.node:
+        return f"tp={tp} over nodes must be a whole number of nodes ({hw.node} devices each)"
+    if m.num_heads % tp:
+        return f"tp={tp} does not divide {m.name}'s {m.num_heads} attention heads"
+    if m.num_kv_heads % tp and tp % m.num_kv_heads:
+        return f"tp={tp} neither divides nor is a multiple of {m.name}'s {m.num_kv_heads} KV heads"
+    return None
 
 
 _DEFAULTS = {k: f.default for k, f in Layout.model_fields.items()}
@@ -203,13 +216,40 @@ class OptionTable:
                             )
         return [lay for lay in out if self.pins.allows(u.role, "forward", lay)]
 
+    def generation_refusal(self, u: Unit, d: int) -> str:
+        """The constraint a pinned generation layout fails on ``d`` devices (what
+        :meth:`generation_layouts` found nothing for), named."""
+        m = self.models[u.role]
+        pin = self.pins.phase(u.role, "generate")
+        backend = pin.backend or self.rollout_backend
+        tp, pp = pin.tp or 1, pin.pp or 1
+        if pin.tp is not None and (why := tp_refusal(m, d, tp, self.hw, across_nodes=True)):
+            return why
+        if d % (tp * pp):
+            return f"tp·pp = {tp * pp} does not divide the {d} devices"
+        if pp > 1 and m.num_layers // pp < 1:
+            return f"pp={pp} is more stages than {m.name}'s {m.num_layers} layers"
+        if pin.ep not in (None, 1) and (not m.is_moe or pin.ep != tp):
+            return f"ep={pin.ep}: a generation engine splits experts over its tp ranks (ep = tp) or not at all (ep = 1)"
+        lay = _layout(dp=max(d // (tp * pp), 1), tp=tp, pp=pp, ep=pin.ep or 1, backend=backend)
+        need = generation_weights_gb(m, lay)
+        if need >= self.capacity_gb:
+            return f"its weight shard needs {need:.1f} GB per device, of {self.capacity_gb:.1f} GB"
+        if not self.pins.within_limits(lay):
+            return f"the runtime's {backend} backend does not run {lay.short()}"
+        return "no layout the pins allow fits"
+
     def generation_layouts(self, u: Unit, d: int) -> list[Layout]:
         """Generation layouts whose weight shard fits a device."""
         m = self.models[u.role]
         pin = self.pins.phase(u.role, "generate")
         backend = pin.backend or self.rollout_backend
         out: list[Layout] = []
-        for tp in tp_choices(m, d, self.hw):
+        # within a node first; over nodes only for models whose weights need more than a node's tp group
+        tps = tp_choices(m, d, self.hw)
+        if pin.tp is not None or generation_weights_gb(m, _layout(tp=max(tps or [1]), backend=backend)) > 0.5 * self.capacity_gb:
+            tps = tp_choices(m, d, self.hw, across_nodes=True)
+        for tp in tps:
             for pp in _powers_dividing(d // tp, 16):
                 eps = [1, tp] if (m.is_moe and tp > 1) else [1]
                 for ep in eps:

@@ -22,7 +22,7 @@ import numpy as np
 
 from flowc.ir.plan import Layout
 from flowc.passes.costs import GB, PhaseCost, generate_cost, generation_weights_gb
-from flowc.passes.options import OptionTable, UnitOption
+from flowc.passes.options import OptionTable, UnitOption, tp_refusal
 from flowc.passes.reshard import ReshardCost, sync_cost
 
 MAX_COMBOS_KEPT = 12
@@ -84,6 +84,8 @@ class PoolTable:
                         if pinned
                         else "no layout"
                     )
+                    if "tp" in pinned and (bad := tp_refusal(t.models[role], d, int(pinned["tp"]), t.hw)):
+                        why += f": {bad}"
                 return _infeasible(units, d, f"{u} does not fit on {d} devices: {why}")
             fronts.append(opts.front)
         gen_layouts = {g: t.generation_layouts(t.units[g], d) for g in gens}
@@ -93,7 +95,7 @@ class PoolTable:
                 pinned = t.pins.phase(role, "generate").layout_fields()
                 if pinned:
                     shown = ", ".join(f"{k}={v}" for k, v in pinned.items())
-                    why = f"{g}: no generation layout with {shown} fits {d} devices (degrees must divide the device count and the heads)"
+                    why = f"{g}: no generation layout with {shown} on {d} devices: {t.generation_refusal(t.units[g], d)}"
                     return _infeasible(units, d, why)
                 m = t.models[role]
                 need = generation_weights_gb(m, Layout(tp=min(d, t.hw.node), backend="vllm"))

@@ -111,7 +111,9 @@ def test_pin_errors_name_the_problem():
         parse_pin("actor.gen.tp=2")
     with pytest.raises(SpecError, match="does not have"):
         plan_of("grpo", "qwen2.5-7b", "1x8xH100", pins=parse_pins(["actr.generate.tp=2"]))
-    with pytest.raises(InfeasibleError, match=r"actor\.gen: no generation layout with tp=2 fits 3 devices") as info:
+    with pytest.raises(
+        InfeasibleError, match=r"actor\.gen: no generation layout with tp=2 on 3 devices: tp=2 does not divide the 3 devices"
+    ) as info:
         plan_of("grpo", "qwen2.5-7b", "1x8xH100", pins=parse_pins(["actor.generate.devices=3", "actor.generate.tp=2"]))
     assert "pins" in info.value.fix
 
@@ -290,3 +292,54 @@ def test_html_export_opens_in_a_real_browser(tmp_path):
         assert f"{role}.train" in dom or f"{role}.forward" in dom
     assert f"{plan['predicted']['step_time_s']:.2f} s" in dom
     assert f"{len(plan['alternatives'])} alternatives" in dom  # filled in by the script
+
+
+def _plan_pinned(model: str, cluster: str, *pins: str):
+    from flowc.ir.cluster import ClusterSpec
+    from flowc.ir.models import ModelSpec
+    from flowc.ir.workload import WorkloadSpec
+    from flowc.passes.pins import parse_pins
+    from flowc.passes.pipeline import make_plan
+
+    g = load_flow(str(EXAMPLES / "grpo.py")).trace()
+    m = ModelSpec.resolve(model)
+    return make_plan(g, {"actor": m, "ref": m}, ClusterSpec.parse(cluster), WorkloadSpec(), parse_pins(list(pins)))[0]
+
+
+def test_generation_tensor_parallelism_crosses_nodes():
+    """verl and NeMo-RL generate 70B on H20 with tp 16 (two nodes): it can be pinned, and its
+    weight sync is priced over the inter-node link (issue 14, defect 4)."""
+    plan = _plan_pinned("llama-3.1-70b", "2x8xH20", "actor.generate.tp=16")
+    gen = plan.roles["actor"].phases["generate"]
+    assert gen.tp == 16 and gen.device_count == 16
+    assert plan.generation_sync("actor").link == "inter-node"
+
+
+@pytest.mark.parametrize(
+    "cluster,pin,reason",
+    [
+        ("2x8xH20", "actor.generate.tp=12", "tp=12 does not divide the 16 devices"),
+        ("3x8xH20", "actor.generate.tp=12", "tp=12 over nodes must be a whole number of nodes"),
+        ("1x6xH20", "actor.generate.tp=3", "does not divide llama-3.1-70b's 64 attention heads"),
+        ("1x8xH20", "actor.train.tp=16", "tp=16 does not divide the 8 devices"),
+    ],
+)
+def test_a_refused_pin_names_the_constraint_that_failed(cluster, pin, reason):
+    from flowc.errors import InfeasibleError
+
+    with pytest.raises(InfeasibleError) as e:
+        _plan_pinned("llama-3.1-70b", cluster, pin)
+    assert reason in e.value.what, e.value.what
+    assert "change or drop the pins" in (e.value.fix or "")
+
+
+def test_the_fix_it_search_is_bounded_and_says_what_it_tried(monkeypatch):
+    """An infeasible request on a large cluster answers in bounded time: the probes stop at the
+    budget and the fix says so (issue 14, defect 6)."""
+    from flowc.errors import InfeasibleError
+    from flowc.passes import diagnose
+
+    monkeypatch.setattr(diagnose, "BUDGET_S", 0.0)
+    with pytest.raises(InfeasibleError) as e:
+        _plan_pinned("llama-3.1-405b", "32x8xH100", "actor.train.tp=3")
+    assert "stopped looking for a fix after 0 s" in (e.value.fix or ""), e.value.fix
