@@ -175,7 +175,7 @@ class OptionTable:
                     )
                     # Megatron-core: tp, pp, cp, ep with the distributed optimizer
                     for pp in pp_choices(rest, m.num_layers) if gpu else ():
-                        for cp in _powers_dividing(rest // pp, 8 if long_ctx else 1):
+                        for cp in _powers_dividing(rest // pp, 8 if long_ctx else 2):  # the cost decides
                             dp = rest // pp // cp
                             # experts spread over tp·dp·cp ranks (expert tensor parallelism 1, as Megatron's MoE recipes)
                             eps = [e for e in _powers_dividing(tp * dp * cp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
@@ -200,6 +200,7 @@ class OptionTable:
         out: list[Layout] = []
         mbs = (self.workload.forward_micro_batch,) if self.workload.forward_micro_batch else MICRO_BATCHES
         gpu = self.hw.kind == "gpu"
+        long_ctx = self.demand[u.ops[-1]].seq_len >= 8192
         for tp in tp_choices(m, d, self.hw):
             rest = d // tp
             for mb in mbs:
@@ -207,13 +208,16 @@ class OptionTable:
                     out.append(_layout(dp=rest, tp=tp, backend="fsdp2", fsdp=True, offload_params=off, micro_batch=mb))
                 out.append(_layout(dp=rest, tp=tp, backend="fsdp2", fsdp=False, micro_batch=mb))  # replicated weights
                 for pp in pp_choices(rest, m.num_layers) if gpu else ():
-                    dp = rest // pp
-                    eps = [e for e in _powers_dividing(tp * dp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
-                    for ep in eps:
-                        for off in (False, True):  # offload: weights swapped in for the op, host memory between ops
-                            out.append(
-                                _layout(dp=dp, tp=tp, pp=pp, ep=ep, backend="megatron", offload_params=off, micro_batch=mb)
-                            )
+                    for cp in _powers_dividing(rest // pp, 8 if long_ctx else 2):
+                        dp = rest // pp // cp
+                        eps = [e for e in _powers_dividing(tp * dp * cp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
+                        for ep in eps:
+                            for off in (False, True):  # offload: weights swapped in for the op, host memory between ops
+                                out.append(
+                                    _layout(
+                                        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, backend="megatron", offload_params=off, micro_batch=mb
+                                    )
+                                )
         return [lay for lay in out if self.pins.allows(u.role, "forward", lay)]
 
     def generation_refusal(self, u: Unit, d: int) -> str:

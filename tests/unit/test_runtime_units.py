@@ -351,7 +351,10 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     g = load_flow(str(EXAMPLES / flow)).trace()
     specs = {r: ModelSpec.resolve(name) for r in models}
     cl, wl = ClusterSpec.parse(cluster), WorkloadSpec()
-    free, _, _ = make_plan(g, specs, cl, wl, None)
+    from flowc.passes.pins import PhasePin
+
+    # the free plan, but without context parallelism (the megatron runtime's own limit, cp = 1)
+    free, _, _ = make_plan(g, specs, cl, wl, Pins(limits={"megatron": PhasePin(cp=1)}))
     plan, _planned, _ = make_plan(g, specs, cl, wl, runtime_pins("gpu"), target=run_target(cl, RunConfig(), None, here=False))
     for p in (free, plan):
         assert p.roles["actor"].phases["train"].layout.backend == "megatron"
