@@ -21,7 +21,7 @@ from flowc.ir.run_config import RunConfig
 from flowc.ir.serialize import to_dict
 from flowc.ir.workload import WorkloadSpec
 from flowc.passes.pins import parse_pins
-from flowc.planning import check_backend_pins, run_target, runtime_pins
+from flowc.planning import check_backend_pins, fit_rollout, run_target, runtime_pins
 
 
 def compile_plan(
@@ -55,14 +55,20 @@ def compile_plan(
     for c in candidates:
         target = run_target(c, config, rollout, here=here)
         specs = {r: ModelSpec.resolve(src).model_copy(update={"dtype": target.dtype}) for r, src in sources.items()}
-        plan, _, _ = make_plan(g, specs, c, workload, pins, target=target)
+        fitted, notes = fit_rollout(g, specs, target, pins)  # e.g. a head_dim vLLM's CPU build cannot run: hf
+        plan, _, _ = make_plan(g, specs, c, workload, fitted, target=target)
+        if notes:
+            plan = plan.model_copy(update={"why": [*notes, *plan.why]})
         if best is None or plan.predicted.step_time_s < best.predicted.step_time_s:
             best = plan
     return best
 
 
 def check_saved(plan: Plan, g: FlowGraph, sources: dict[str, str], *, what: str) -> None:
-    """``plan`` (named ``what`` in errors) is a plan of this flow, with these hyperparameters and models."""
+    """``plan`` (named ``what`` in errors) is a plan of this flow, with these hyperparameters and
+    models, and its rollout backends run those models."""
+    from flowc.runtime.backends import backend
+
     if plan.flow != g.name:
         raise SpecError(f"{what} is a plan of flow {plan.flow!r}, not {g.name!r}", fix="give the plan of this flow")
     if _shape(to_dict(g)) != _shape(plan.graph):
@@ -78,6 +84,12 @@ def check_saved(plan: Plan, g: FlowGraph, sources: dict[str, str], *, what: str)
             raise SpecError(
                 f"{what} plans {role} as {rp.model} ({rp.params_b:g}B parameters), but its model is {src} ({m.params_total / 1e9:g}B)",
                 fix=f"give the model the plan was made for (--model {role}=…), or plan again",
+            )
+        gen = rp.phases.get("generate")
+        if gen is not None and (why := backend(gen.layout.backend).refuses(plan.target.kind, m)):
+            raise SpecError(
+                f"{what} generates {role} with {gen.layout.backend}, which {why}",
+                fix="plan again without --plan (the planner picks a rollout backend that runs the model), or give another model",
             )
 
 

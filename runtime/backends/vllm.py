@@ -27,6 +27,7 @@ on CUDA only; ``sleep``/``wake`` report whether they did anything.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -37,6 +38,7 @@ import torch
 
 from flowc.errors import DataError, SpecError
 from flowc.ir.functional import PromptBatch, Rollout
+from flowc.ir.models import ModelSpec
 from flowc.ir.sampling import SamplingParams
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.sampling import Sampled
@@ -49,6 +51,47 @@ CPU_ENV = {
     "VLLM_CONFIGURE_LOGGING": "0",  # flowc's handler instead (see _quiet_vllm)
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+@functools.cache
+def cpu_head_sizes() -> tuple[int, ...]:
+    """The attention head sizes the installed vLLM runs on CPUs: its CPU attention backend's
+    ``get_supported_head_sizes()`` (every non-MLA model runs on it there). Read from vLLM's
+    source, since importing that module takes seconds; imported when the source is not a
+    plain list. Empty when vLLM is not installed here (nothing to check against)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    src = Path(spec.submodule_search_locations[0]) / "v1" / "attention" / "backends" / "cpu_attn.py"
+    try:
+        for cls in ast.parse(src.read_text()).body:
+            if isinstance(cls, ast.ClassDef) and cls.name == "CPUAttentionBackend":
+                for fn in cls.body:
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "get_supported_head_sizes":
+                        ret = next(s for s in fn.body if isinstance(s, ast.Return))
+                        return tuple(int(x) for x in ast.literal_eval(ret.value))
+    except (OSError, SyntaxError, ValueError, StopIteration, TypeError):
+        pass
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return tuple(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def refuses_model(kind: str, m: ModelSpec) -> str | None:
+    """Why this vLLM cannot run ``m`` on ``kind`` devices (the registry's model rule), or None."""
+    if kind != "cpu" or m.kv_lora_rank:  # MLA models run on vLLM's CPU MLA backend
+        return None
+    sizes = cpu_head_sizes()
+    if sizes and m.head_dim not in sizes:
+        return (
+            f"cannot run {m.name}: its head_dim is {m.head_dim}, and vLLM's CPU attention backend "
+            f"runs head sizes {', '.join(map(str, sizes))} only"
+        )
+    return None
 
 
 class _Expected(logging.Filter):
