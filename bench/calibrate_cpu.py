@@ -1,6 +1,7 @@
 """Measure this machine for the local CPU hardware profile (ir/hardware/cpu.yaml).
 
-    python bench/calibrate_cpu.py            # prints YAML lines to paste
+    python bench/calibrate_cpu.py                 # prints YAML lines to paste
+    python bench/calibrate_cpu.py --from-run DIR… # the efficiency factors: flowc calibrate DIR…
 
 One "device" of the CPU profile is one core. Measured: fp32 matmul throughput
 with one thread (the runtime trains tiny models in fp32 on CPU), memory copy
@@ -67,37 +68,21 @@ def gloo_busbw(mb: int = 64, world: int = 2) -> tuple[float, float]:
             return out["busbw"], out["latency_us"]
 
 
-def fit_from_run(run_dir: str) -> None:
-    """Efficiency factors that make the planner's per-op predictions match a
-    run's measurements (median over steps, first 5 dropped): each factor is
-    scaled by measured/predicted of the ops it governs."""
-    import json
+def fit_from_run(run_dirs: list[str]) -> None:
+    """The efficiency factors that match runs' measurements: ``flowc calibrate`` (its fit and
+    re-planned residuals); this bench measures the raw figures it cannot fit."""
     from pathlib import Path
 
-    from flowc.ir.hardware import get_profile
+    from flowc.calibrate import fit, report
 
-    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r.get("measured_s")][5:]
-    plan = json.loads((Path(run_dir) / "plan.json").read_text())
-    phase_of = {op: ph for rp in plan["roles"].values() for ph, pp in rp["phases"].items() for op in pp["ops"]}
-    eff = get_profile("cpu").efficiency
-    factor = {"train": eff.train, "forward": eff.matmul, "generate": eff.decode_bw}
-    name = {"train": "train", "forward": "matmul", "generate": "decode_bw"}
-    for phase in ("train", "forward", "generate"):
-        ops = [op for op, ph in phase_of.items() if ph == phase]
-        ratios = [r["measured_s"][op] / r["predicted_s"][op] for r in rows for op in ops if r["predicted_s"].get(op)]
-        if ratios:
-            ratio = statistics.median(ratios)
-            print(
-                f"{phase:>8}: measured/predicted = {ratio:.2f} → {name[phase]}: {factor[phase]:.3f} → {min(1.0, factor[phase] / ratio):.3f}"
-            )
+    print(report(fit([Path(d) for d in run_dirs])))
 
 
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) == 3 and sys.argv[1] == "--from-run":
-        fit_from_run(sys.argv[2])
+    if len(sys.argv) >= 3 and sys.argv[1] == "--from-run":
+        fit_from_run(sys.argv[2:])
         raise SystemExit
     gf = matmul_gflops()
     bw = copy_gb_s()

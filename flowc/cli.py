@@ -334,6 +334,26 @@ def report(
     typer.echo(f"wrote {path}")
 
 
+@app.command()
+def calibrate(
+    run_dirs: Annotated[list[str], typer.Argument(help="Run directories to fit on.", metavar="RUN_DIR…")],
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Write the calibrated cluster file (for --cluster FILE).")
+    ] = None,
+    held_apart: Annotated[
+        list[str] | None, typer.Option("--check", help="A run directory held apart: its error before and after.")
+    ] = None,
+) -> None:
+    """Fit the hardware profile's efficiency factors to runs' measured op times (see docs/planner.md)."""
+    from flowc.calibrate import fit, report, write_cluster
+
+    result = fit([Path(d) for d in run_dirs])
+    typer.echo(report(result, [Path(d) for d in held_apart or []]))
+    if output:
+        write_cluster(result, Path(output))
+        typer.echo(f"wrote {output} (use it with --cluster {output})")
+
+
 def _pairs(words: list[str] | None, flag: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for w in words or []:

@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flowc.errors import SpecError
-from flowc.ir.hardware import HardwareProfile, get_profile
+from flowc.ir.hardware import Efficiency, HardwareProfile, get_profile
 
 _SHORTHAND = re.compile(r"^\s*(?:(\d+)\s*[xX×]\s*)?(\d+)\s*[xX×]\s*([A-Za-z][\w.\-]*)\s*$")
 
@@ -40,6 +40,8 @@ class ClusterSpec(BaseModel):
         memory_gb: override of the profile's device memory.
         cores_per_device: CPU clusters: cores each device (worker process)
             uses; its compute, bandwidth and memory scale with them.
+        efficiency: override of the profile's achieved fractions of peak (what
+            ``flowc calibrate`` fits from measured runs).
         name: how the cluster is shown (defaults to the shorthand).
     """
 
@@ -51,6 +53,7 @@ class ClusterSpec(BaseModel):
     inter_node_gb_s: float | None = Field(None, gt=0)
     memory_gb: float | None = Field(None, gt=0)
     cores_per_device: int = Field(1, ge=1)
+    efficiency: Efficiency | None = None
     name: str = ""
 
     @model_validator(mode="after")
@@ -86,6 +89,7 @@ class ClusterSpec(BaseModel):
                 "intra_node_gb_s": self.intra_node_gb_s,
                 "inter_node_gb_s": self.inter_node_gb_s,
                 "memory_gb": self.memory_gb,
+                "efficiency": self.efficiency,
             }.items()
             if v is not None
         }
@@ -126,7 +130,7 @@ class ClusterSpec(BaseModel):
                 loc = ".".join(str(x) for x in err["loc"])
                 raise SpecError(
                     f"cluster file {t}: {loc}: {err['msg']}",
-                    fix="fields: device, nodes, devices_per_node, intra_node_gb_s, inter_node_gb_s, memory_gb, name",
+                    fix="fields: device, nodes, devices_per_node, intra_node_gb_s, inter_node_gb_s, memory_gb, cores_per_device, efficiency, name",
                 ) from e
         m = _SHORTHAND.match(t)
         if not m:

@@ -109,7 +109,10 @@ def assemble_plan(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
     ctx.plan = Plan(
         flow=g.name,
         hyperparams={k: v for k, v in g.hyperparams.items() if isinstance(v, (int, float, str, bool)) or v is None},
-        cluster={**ctx.cluster.model_dump(), "world_size": ctx.cluster.world_size},
+        cluster={
+            **ctx.cluster.model_dump(exclude={"efficiency"} if ctx.cluster.efficiency is None else set()),
+            "world_size": ctx.cluster.world_size,
+        },
         workload=ctx.workload.model_dump(),
         target=ctx.target,
         graph=to_dict(ctx.planned),
