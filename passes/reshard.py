@@ -287,7 +287,10 @@ def sync_cost(
     fastest of those. None when no method is open."""
     opts = colocated_options(m, train, gen, hw) if colocated else separate_options(m, train, gen, hw, same_node=same_node)
     if whole_tensor:
-        opts = whole_tensor_options(opts, gen)
+        # an engine that reloads whole tensors holds its own copy of its whole shard (it reads no
+        # training tensor in place)
+        own = gen_shard_bytes(m, gen) / 1e9
+        opts = [dataclasses.replace(o, extra_memory_gb=max(o.extra_memory_gb, own)) for o in whole_tensor_options(opts, gen)]
     return best(opts, method)
 
 

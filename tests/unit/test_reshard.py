@@ -306,3 +306,16 @@ def test_the_published_expert_layout_can_be_pinned(tg):
     gen = plan.roles["actor"].phases["generate"]
     assert gen.tp == tg and gen.memory.weights > 25
     assert plan.generation_sync("actor").method == "full_allgather"
+
+
+def test_an_engine_that_reloads_whole_tensors_holds_its_own_shard():
+    """flowc run's vLLM engines reload whole HF tensors into weights of their own: whatever the
+    method, the engine holds its whole shard (no training tensor is read in place)."""
+    from flowc.passes.reshard import gen_shard_bytes, sync_cost
+
+    train = Layout(dp=2, tp=4, pp=1, backend="megatron")
+    gen = Layout(dp=2, tp=4, backend="vllm")
+    free = sync_cost(M70, train, gen, A100, colocated=True)
+    run = sync_cost(M70, train, gen, A100, colocated=True, whole_tensor=True)
+    assert free.method == "in_place" and free.extra_memory_gb == 0
+    assert run.extra_memory_gb * 1e9 == pytest.approx(gen_shard_bytes(M70, gen))
