@@ -22,7 +22,7 @@ ray start --head --port="$PORT" --num-gpus=1 --num-cpus=8 --include-dashboard=fa
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 rm -rf "$OUT/gpu-smoke"
 flowc run examples/grpo.py --device H200 \
-  --cluster "127.0.0.1:$PORT" --model actor=qwen2.5-0.5b --rollout vllm \
+  --cluster "127.0.0.1:$PORT" --model actor=qwen2.5-0.5b --set init=random --rollout vllm \
   --steps "$STEPS" --workload prompts=32,prompt_len=64,response_len=256 \
   --out "$OUT/gpu-smoke" -q
 python - "$OUT/gpu-smoke" <<'EOF'
@@ -33,7 +33,7 @@ rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() 
 plan = json.loads((run / "plan.json").read_text())
 w = plan["workload"]
 med = lambda k: statistics.median(r[k] for r in rows)
-train_tokens = [w["prompts"] * 8 * (w["prompt_len"] + r["response_length"]) for r in rows]  # n=8 samples a prompt
+train_tokens = [w["prompts"] * 8 * (w["prompt_len"] + r["response_length/mean"]) for r in rows]  # n=8 samples a prompt
 print("| metric | value |\n|---|---:|")
 print(f"| generation tokens/s | {statistics.median(r['gen_tokens'] / r['measured_s']['actor.generate'] for r in rows):.0f} |")
 print(f"| training tokens/s | {statistics.median(t / r['measured_s']['actor.update'] for t, r in zip(train_tokens, rows)):.0f} |")

@@ -24,9 +24,9 @@ python -m pytest -q -m gpu tests/integration/test_megatron_gpu.py
 ray start --head --port="$PORT" --num-gpus=1 --num-cpus=8 --include-dashboard=false >/dev/null
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 rm -rf "$OUT" && mkdir -p "$OUT"
-common=(--cluster "127.0.0.1:$PORT" --rollout vllm --steps "$STEPS" --workload prompts=16,prompt_len=64,response_len=128 -q)
+common=(--cluster "127.0.0.1:$PORT" --set init=random --rollout vllm --steps "$STEPS" --workload prompts=16,prompt_len=64,response_len=128 -q)
 for backend in fsdp2 megatron; do
-  flowc run examples/ppo.py --device H200 --model actor=qwen2.5-0.5b "${common[@]}" \
+  flowc run examples/ppo.py --device H200 --model actor=qwen2.5-0.5b --model rm=qwen2.5-0.5b "${common[@]}" \
     --pin actor.train.backend=$backend --pin critic.train.backend=$backend \
     --pin ref.forward.backend=$backend --pin rm.forward.backend=$backend --out "$OUT/ppo-$backend"
 done

@@ -115,6 +115,20 @@ PinOpt = Annotated[
     ),
 ]
 PlanOpt = Annotated[str | None, typer.Option("--plan", help="A saved plan (JSON) to reproduce: its decisions become pins.")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        help="KEY=VALUE: override one run setting on top of --config (dotted: optim.actor.lr=1e-5, "
+        "workload.prompts=64, report_to=[wandb]); values are YAML scalars. Repeatable.",
+        metavar="KEY=VALUE",
+    ),
+]
+ConfigOpt = Annotated[
+    str | None,
+    typer.Option("--config", help="A YAML run config (RunConfig fields, plus model/data/reward/cluster/workload)."),
+]
 ForRunOpt = Annotated[
     bool,
     typer.Option(
@@ -156,15 +170,41 @@ def plan(
     pin: PinOpt = None,
     plan_file: PlanOpt = None,
     for_run: ForRunOpt = False,
+    data: Annotated[
+        str | None, typer.Option("--data", help="The prompts flowc run would read: plan the run's workload for them.")
+    ] = None,
+    reward: Annotated[list[str] | None, typer.Option("--reward", "-r", help="ROLE=module:function, as flowc run.")] = None,
+    rollout: Annotated[str | None, typer.Option("--rollout", help="Generation backend, as flowc run.")] = None,
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     out: Annotated[str | None, typer.Option("--out", "-o", help="Also save the plan as JSON to this path.")] = None,
 ) -> None:
-    """Plan where and how every role of the flow runs, and explain why."""
+    """Plan where and how every role of the flow runs, and explain why.
+
+    On a cluster flowc run can run on (none given, local, local:N or a Ray address) with models
+    it can load (the built-in one, local folders, cached hub ids), this is the plan `flowc run`
+    with the same options runs (its workload, backends and worker split; `flowc run --dry-run`
+    prints the same). For hardware described by a shorthand (16x8xH100) or a YAML file, or a
+    catalogue model, it is a what-if plan for the planner's default workload unless --workload.
+    """
     import time
 
     from flowc.ir.plan_text import format_plan
 
     t0 = time.perf_counter()
+    if _previews_run(cluster, model, plan_file) or data or config or sets or reward or rollout:
+        if plan_file:
+            raise FlowcError(
+                "--plan re-plans a saved plan; it takes no run options", fix="drop --data/--config/--set/--reward/--rollout"
+            )
+        req = _run_request(
+            file, overrides, model=model, data=data, eval_data=None, reward=reward, cluster=cluster or "local",
+            device=None, plan_file=None, workload=workload, steps=None, out=None, resume=None, override=False,
+            rollout=rollout, pin=pin, config=config, sets=sets, report_to=None,
+        )  # fmt: skip
+        _print_run_plan(req, as_json=as_json, save=out)
+        return
     p, _, _, req = _plan(file, overrides, model, cluster, workload, pin, plan_file, for_run)
     if out:
         from pathlib import Path
@@ -177,6 +217,27 @@ def plan(
         for n in req.notes or []:
             err_console.print(f"note: {escape(n)}")
         err_console.print(f"planned in {time.perf_counter() - t0:.2f} s")
+
+
+def _previews_run(cluster: str | None, model: list[str] | None, plan_file: str | None) -> bool:
+    """Whether `flowc plan` with these options plans what `flowc run` would run: a cluster the run
+    can use and models it can load (a catalogue name or a shorthand cluster: a what-if plan)."""
+    import re
+
+    from flowc.inputs import BUILTIN_MODELS
+    from flowc.ir.hub import cached_snapshot, is_hub_id
+
+    if plan_file:
+        return False
+    c = cluster or "local"
+    runnable = c in ("local", "auto") or c.startswith(("local:", "ray://")) or bool(re.fullmatch(r"[\w.-]+:\d+", c))
+    if not runnable:
+        return False
+    for ref in _pairs(model, "--model").values():
+        loadable = ref in BUILTIN_MODELS or Path(ref).expanduser().is_dir() or (is_hub_id(ref) and cached_snapshot(ref))
+        if not loadable:
+            return False
+    return True
 
 
 class ExportFormat(str, Enum):
@@ -263,61 +324,30 @@ def run(
         str | None, typer.Option("--rollout", help="Generation backend: vllm (default where installed) or hf.")
     ] = None,
     pin: PinOpt = None,
-    config: Annotated[
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    report_to: Annotated[
         str | None,
-        typer.Option("--config", help="A YAML run config (RunConfig fields, plus model/data/reward/cluster/workload)."),
+        typer.Option(
+            "--report-to", help="Experiment trackers, comma-separated: tensorboard (default), wandb, mlflow; none for none."
+        ),
     ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan this run would run (workload, backends) and exit.")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Plan the flow for this cluster and train it; writes runs/<name>/."""
-    from flowc.ir.run_config import RunConfig
-    from flowc.loader import load_flow
-    from flowc.run import RunRequest, given_options, resume_request
     from flowc.run import run as do_run
 
-    if file is None and resume is None:
-        raise FlowcError("flowc run needs a flow file", fix="flowc run FILE [NAME=VALUE]… (or --resume RUN_DIR)")
-    if override and resume is None:
-        raise FlowcError("--override changes a resumed run's options; there is no --resume", fix="drop --override")
-    cfg, front = RunConfig.load(config) if config else (RunConfig(), {})
-    fl = load_flow(file) if file is not None else None
-    if fl is None and overrides:
-        raise FlowcError(
-            "hyperparameter overrides need the flow file", fix="flowc run FILE NAME=VALUE… --resume RUN_DIR --override"
-        )
-    hyper = {**front.get("hyperparams", {}), **(fl.parse_overrides(overrides or []) if fl is not None else {})}
-    models = {**front.get("model", {}), **_pairs(model, "--model")}
-    rewards = {**front.get("reward", {}), **_pairs(reward, "--reward")}
-    given = dict(
-        overrides=hyper,
-        models=models,
-        data=data or front.get("data"),
-        eval_data=eval_data or front.get("eval_data"),
-        rewards=rewards,
-        cluster=front.get("cluster", cluster) if cluster == "local" else cluster,
-        device=device or front.get("device"),
-        workload=workload or front.get("workload"),
-        steps=steps,
-        rollout=rollout or front.get("rollout"),
-        pins=list(pin or []),
-        plan_file=plan_file or front.get("plan"),
-    )
-    if resume is not None and (Path(resume) / "run.json").exists():
-        if out is not None and Path(out).resolve() != Path(resume).resolve():
-            raise FlowcError(f"--out {out} with --resume {resume}: a resumed run writes to its own folder", fix="drop --out")
-        normal = {**given, "cluster": given["cluster"] if given["cluster"] != "local" else None}
-        req = resume_request(resume, given_options(flow=fl, config=cfg if config else None, **normal), override=override)
-    else:  # a new run (or, with --override, a folder written before run.json existed)
-        if fl is None:
-            raise FlowcError(
-                f"{resume} has no run.json to read the flow from", fix="give the flow file: flowc run FILE … --resume"
-            )
-        req = RunRequest(flow=fl, out=out or front.get("out"), resume=resume, config=cfg, **given)  # type: ignore[arg-type]
-        if resume is not None and not override:
-            raise FlowcError(
-                f"{resume} has no run.json: flowc cannot tell which options the run used",
-                fix=f"give them all again and add --override: flowc run FILE … --resume {resume} --override",
-            )
+    req = _run_request(
+        file, overrides, model=model, data=data, eval_data=eval_data, reward=reward, cluster=cluster, device=device,
+        plan_file=plan_file, workload=workload, steps=steps, out=out, resume=resume, override=override,
+        rollout=rollout, pin=pin, config=config, sets=sets, report_to=report_to,
+    )  # fmt: skip
+    if dry_run:
+        _print_run_plan(req, as_json=False)
+        return
     path = do_run(req, progress=not quiet)
     err_console.print(f"run written to {path} (metrics.jsonl, plan.html, final/); draw it with: flowc report {path}")
 
@@ -352,6 +382,111 @@ def calibrate(
     if output:
         write_cluster(result, Path(output))
         typer.echo(f"wrote {output} (use it with --cluster {output})")
+
+
+def _run_request(
+    file: str | None,
+    overrides: list[str] | None,
+    *,
+    model: list[str] | None,
+    data: str | None,
+    eval_data: str | None,
+    reward: list[str] | None,
+    cluster: str,
+    device: str | None,
+    plan_file: str | None,
+    workload: str | None,
+    steps: int | None,
+    out: str | None,
+    resume: str | None,
+    override: bool,
+    rollout: str | None,
+    pin: list[str] | None,
+    config: str | None,
+    sets: list[str] | None,
+    report_to: str | None,
+):
+    """The :class:`~flowc.run.RunRequest` of `flowc run`'s options (a resume's from its run.json)."""
+    from flowc.ir.run_config import RunConfig
+    from flowc.loader import load_flow
+    from flowc.run import RunRequest, given_options, resume_request
+
+    if file is None and resume is None:
+        raise FlowcError("flowc run needs a flow file", fix="flowc run FILE [NAME=VALUE]… (or --resume RUN_DIR)")
+    if override and resume is None:
+        raise FlowcError("--override changes a resumed run's options; there is no --resume", fix="drop --override")
+    sets = [*(sets or []), *([f"report_to={_trackers(report_to)}"] if report_to is not None else [])]
+    if resume is not None and sets and not config and (Path(resume) / "run.json").exists():
+        from flowc.run_record import RunRecord
+
+        # --set on a resume changes the recorded settings, it does not replace them
+        cfg, front = RunRecord.read(Path(resume)).run_config_with(sets)
+    else:
+        cfg, front = RunConfig.load(config, sets)
+    fl = load_flow(file) if file is not None else None
+    if fl is None and overrides:
+        raise FlowcError(
+            "hyperparameter overrides need the flow file", fix="flowc run FILE NAME=VALUE… --resume RUN_DIR --override"
+        )
+    hyper = {**front.get("hyperparams", {}), **(fl.parse_overrides(overrides or []) if fl is not None else {})}
+    models = {**front.get("model", {}), **_pairs(model, "--model")}
+    rewards = {**front.get("reward", {}), **_pairs(reward, "--reward")}
+    given = dict(
+        overrides=hyper,
+        models=models,
+        data=data or front.get("data"),
+        eval_data=eval_data or front.get("eval_data"),
+        rewards=rewards,
+        cluster=front.get("cluster", cluster) if cluster == "local" else cluster,
+        device=device or front.get("device"),
+        workload=workload or front.get("workload"),
+        steps=steps,
+        rollout=rollout or front.get("rollout"),
+        pins=list(pin or []),
+        plan_file=plan_file or front.get("plan"),
+    )
+    if resume is not None and (Path(resume) / "run.json").exists():
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise FlowcError(f"--out {out} with --resume {resume}: a resumed run writes to its own folder", fix="drop --out")
+        normal = {**given, "cluster": given["cluster"] if given["cluster"] != "local" else None}
+        req = resume_request(resume, given_options(flow=fl, config=cfg if config or sets else None, **normal), override=override)
+    else:  # a new run (or, with --override, a folder written before run.json existed)
+        if fl is None:
+            raise FlowcError(
+                f"{resume} has no run.json to read the flow from", fix="give the flow file: flowc run FILE … --resume"
+            )
+        req = RunRequest(flow=fl, out=out or front.get("out"), resume=resume, config=cfg, **given)  # type: ignore[arg-type]
+        if resume is not None and not override:
+            raise FlowcError(
+                f"{resume} has no run.json: flowc cannot tell which options the run used",
+                fix=f"give them all again and add --override: flowc run FILE … --resume {resume} --override",
+            )
+    return req
+
+
+def _print_run_plan(req, *, as_json: bool, save: str | None = None) -> None:
+    """The plan `flowc run` would run for ``req`` (through the run's own prepare), printed
+    (and saved to ``save``)."""
+    import time
+
+    from flowc.ir.plan_text import format_plan
+    from flowc.run import prepare
+
+    t0 = time.perf_counter()
+    p = prepare(req, dry_run=True)
+    if save:
+        Path(save).write_text(p.plan.to_json() + "\n")
+    if as_json:
+        typer.echo(p.plan.to_json())
+        return
+    typer.echo(format_plan(p.plan), nl=False)
+    err_console.print(f"planned in {time.perf_counter() - t0:.2f} s (the plan flowc run runs with these options)")
+
+
+def _trackers(words: str) -> str:
+    """``--report-to a,b`` as the YAML list ``report_to`` takes (``none``: [])."""
+    names = [w.strip() for w in words.split(",") if w.strip() and w.strip() != "none"]
+    return "[" + ", ".join(names) + "]"
 
 
 def _pairs(words: list[str] | None, flag: str) -> dict[str, str]:

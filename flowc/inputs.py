@@ -52,8 +52,9 @@ def materialize_model(ref: str, out_dir: Path, *, init: str = "pretrained", scor
         if local is not None:
             return str(local), None
         spec = ModelSpec.resolve(ref)  # an unknown name is refused here, with the catalogue listed
+        what = "a config file" if p.is_file() else "a catalogue name"
         raise SpecError(
-            f"{ref!r} is a catalogue name: the catalogue holds {spec.name}'s architecture for planning, not its weights",
+            f"{ref!r} is {what}: it holds {spec.name}'s architecture for planning, not its weights",
             fix="give a local model directory or a Hugging Face hub id (e.g. --model actor=Qwen/Qwen2.5-0.5B), "
             "or pass --init random to train it from random weights",
         )

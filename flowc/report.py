@@ -71,7 +71,7 @@ def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:
     ax.set_title("held-out accuracy")
     ax.set_xlabel("step")
     ax = axes[1][0]
-    kl = [(r["step"], v) for r in steps for k, v in r.items() if k.endswith("/kl")]
+    kl = [(r["step"], v) for r in steps for k, v in r.items() if k.endswith(("/kl_loss", "/kl"))]  # /kl: runs before verl's names
     if kl:
         ax.plot([s for s, _ in kl], [v for _, v in kl], label="KL to reference")
     loss = [(r["step"], v) for r in steps for k, v in r.items() if k.endswith("/pg_loss")]

@@ -34,8 +34,8 @@ from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
-from flowc.report import read_metrics
 from flowc.run_record import RunRecord, absolute, absolute_model, absolute_reward, input_hashes
+from flowc.trackers import MetricsLog
 
 if TYPE_CHECKING:
     from flowc.runtime.controller import RunSpec
@@ -174,17 +174,30 @@ class Prepared:
 
 
 # ---------------------------------------------------------------------- run
-def prepare(req: RunRequest) -> Prepared:
-    """Trace, read the inputs, compile (or check) the plan and lower it."""
+def prepare(req: RunRequest, *, dry_run: bool = False) -> Prepared:
+    """Trace, read the inputs, compile (or check) the plan and lower it. ``dry_run``: the same,
+    without creating the run folder (`flowc run --dry-run`, `flowc plan`): random weights a
+    run would write there go to a temporary folder, deleted before this returns."""
+    import tempfile
+
+    g = req.flow.trace(**req.overrides)
+    out = Path(req.resume or req.out or f"runs/{g.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if not dry_run:
+        return _prepare(req, g, _run_dir(out), out)
+    with tempfile.TemporaryDirectory(prefix="flowc-dry-run-") as scratch:
+        return _prepare(req, g, out, out if out.is_dir() else Path(scratch), dry_run=True)
+
+
+def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_run: bool = False) -> Prepared:
     from flowc.inputs import check_data, load_data, model_sources
     from flowc.rewards import bind_rewards
     from flowc.runtime.controller import RunSpec
     from flowc.runtime.program import lower
     from flowc.tasks import arithmetic as arith
+    from flowc.trackers import check_trackers
 
-    g = req.flow.trace(**req.overrides)
-    out = _run_dir(Path(req.resume or req.out or f"runs/{g.name}-{time.strftime('%Y%m%d-%H%M%S')}"))
-    sources, tokenizer, notes = model_sources(g, req.models, out, init=req.config.init)
+    check_trackers(req.config.report_to)  # a tracker's missing package is refused before anything starts
+    sources, tokenizer, notes = model_sources(g, req.models, models_dir, init=req.config.init)
     for line in notes:  # what the user should know about the weights (random, a fresh critic head)
         print(f"note: {line}", file=sys.stderr)
     data, eval_data = load_data(g, req.data, req.eval_data)
@@ -192,7 +205,8 @@ def prepare(req: RunRequest) -> Prepared:
     rewards, names = bind_rewards(g, req.rewards, (arith.exact_match, "flowc.tasks.arithmetic:exact_match") if builtin else None)
     plan, address, own = _plan(req, g, sources, out, builtin)
     check_data(g, [data, eval_data], tokenizer, plan.workload, rewards, names)  # every row, before the first step
-    _check_space(out, plan, req.config.keep_checkpoints)
+    if not dry_run:
+        _check_space(out, plan, req.config.keep_checkpoints)
     spec = RunSpec(
         lower(plan, here=address is None), _config(req, builtin), sources, tokenizer, data, eval_data, rewards, names, out
     )
@@ -339,39 +353,6 @@ def write_plan(p: Prepared) -> None:
     (out / "program.txt").write_text(str(p.run.program))
 
 
-class MetricsLog:
-    """metrics.jsonl, plus TensorBoard events when tensorboard is installed."""
-
-    def __init__(self, out: Path, resume_step: int) -> None:
-        self.path = out / "metrics.jsonl"
-        if resume_step == 0 and self.path.exists():
-            self.path.unlink()
-        elif self.path.exists():  # keep what was written up to the checkpoint
-            self.path.write_text(
-                "".join(json.dumps(m) + "\n" for m in read_metrics(self.path) if m.get("step", 0) <= resume_step)
-            )
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(out / "tensorboard"))
-        except Exception:
-            self.tb = None
-
-    def write(self, m: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(m) + "\n")
-        if self.tb is not None:
-            for k, v in m.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, m["step"])
-            for k, v in m.get("measured_s", {}).items():
-                self.tb.add_scalar(f"time/{k}/measured", v, m["step"])
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
-
 def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, Any]], None] | None = None) -> Path:
     """Run to the last step; returns the run directory.
 
@@ -404,7 +385,9 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                     f"the run in {out} is at step {start_step} already; it was asked for {cfg.steps}",
                     fix=f"extend it: {resume} --steps N with N > {start_step}",
                 )
-            log = MetricsLog(out, start_step)
+            log = MetricsLog(
+                out, start_step, cfg.report_to, run_name=out.name, config=cfg.model_dump(mode="json", exclude_unset=True)
+            )
             bar = _Progress(cfg.steps, start_step, enabled=progress)
             with bar:
                 if start_step == 0 and cfg.eval_every:
@@ -416,7 +399,7 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                     if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                         m.update(ctl.evaluate())
                     log.write(m)
-                    ctl.history.append({k: v for k, v in m.items() if k not in ("measured_s", "predicted_s")})
+                    ctl.history.append({k: v for k, v in m.items() if k not in ("measured_s", "predicted_s", "samples")})
                     bar.update(m)
                     if on_step is not None:
                         on_step(m)

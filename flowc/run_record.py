@@ -2,12 +2,13 @@
 
 ``flowc run`` writes ``run.json`` when a run starts: the flow (absolute path and
 name), its hyperparameter overrides, models, data, rewards, cluster, workload,
-steps, rollout backend, pins, run config and saved plan, with the sha256 of
+steps, rollout backend, pins, run config (with every ``--set`` override applied: a
+resume reproduces them) and saved plan, with the sha256 of
 every input file it read (flow, data, reward files). ``flowc run --resume DIR``
 rebuilds the run from it: a flag that contradicts the record is refused with the
 difference listed, unless ``--override`` is given (``--steps``, to extend or
-shorten the run, and ``--cluster``/``--device``, where it runs, never contradict
-it). A run resumes on its own plan.json; nothing here rewrites it.
+shorten the run, ``--cluster``/``--device``, where it runs, and ``--report-to``,
+where its metrics go, never contradict it). A run resumes on its own plan.json; nothing here rewrites it.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flowc._version import __version__
 from flowc.errors import SpecError
-from flowc.ir.run_config import RunConfig
+from flowc.ir.run_config import RunConfig, apply_set, setting_keys
 
 RECORD = "run.json"
 
 # Options a resume may change freely: how long the run is and where it runs.
 FREE = ("steps", "cluster", "device")
+# Run settings a resume may change freely: which experiment trackers it reports to.
+FREE_SETTINGS = ("report_to",)
 
 
 class RunRecord(BaseModel):
@@ -78,6 +81,22 @@ class RunRecord(BaseModel):
     def run_config(self) -> RunConfig:
         return RunConfig.model_validate(self.config)
 
+    def run_config_with(self, sets: list[str]) -> tuple[RunConfig, dict[str, Any]]:
+        """The recorded settings with ``--set`` overrides on top, and the front-end options those
+        overrides give (a workload key changes the recorded workload string)."""
+        data = json.loads(json.dumps(self.config))
+        front: dict[str, Any] = {"workload": self.workload} if self.workload else {}
+        for word in sets:
+            apply_set(data, front, word)
+        if front.get("workload") == self.workload:
+            front.pop("workload", None)
+        try:
+            return RunConfig.model_validate(data), front
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise SpecError(f"--set: {loc}: {err['msg']}", fix=f"settings: {', '.join(setting_keys())}") from e
+
     # ---------------------------------------------------------- compare
     def options(self) -> dict[str, Any]:
         """The options a flag can give, by field name."""
@@ -89,6 +108,8 @@ class RunRecord(BaseModel):
         out = []
         for k, v in given.items():
             if k in FREE or v is None or v == have[k]:
+                continue
+            if k == "config" and _settings(v) == _settings(have[k]):  # only where the metrics go changed
                 continue
             out.append(f"--{_flag(k)}: the run has {_show(have[k])}, the command gives {_show(v)}")
         return out
@@ -141,10 +162,19 @@ def input_hashes(rec: RunRecord) -> dict[str, str]:
     return {f: sha256(f) for f in files if f and Path(f).is_file()}
 
 
+def _settings(config: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (config or {}).items() if k not in FREE_SETTINGS}
+
+
 def _flag(field: str) -> str:
-    return {"overrides": "NAME=VALUE", "models": "model", "rewards": "reward", "pins": "pin", "plan_file": "plan"}.get(
-        field, field.replace("_", "-")
-    )
+    return {
+        "overrides": "NAME=VALUE",
+        "models": "model",
+        "rewards": "reward",
+        "pins": "pin",
+        "plan_file": "plan",
+        "config": "config/--set",
+    }.get(field, field.replace("_", "-"))
 
 
 def _show(v: Any) -> str:

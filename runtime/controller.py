@@ -79,6 +79,35 @@ class Iteration:
     samples: dict[str, int] = field(default_factory=dict)  # generate node → n
 
 
+SAMPLES_PER_STEP = 4  # (prompt, response, score) rows a step's metrics carry for the trackers' tables
+
+# flowc's training statistics under verl's names (the same meaning): metric ``ROLE/NAME``
+VERL_STAT_NAMES = {"clip_frac": "pg_clipfrac", "vf_clip_frac": "vf_clipfrac", "kl": "kl_loss"}
+
+
+def batch_stats(prefix: str, values: list[float], *, limit: int | None = None) -> dict[str, float]:
+    """verl's statistics of a batch: ``PREFIX/mean|max|min`` (and ``PREFIX/clip_ratio``, the share
+    of values at ``limit``: responses cut off at the token limit)."""
+    if not values:
+        return {}
+    out = {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
+    if limit:
+        out[f"{prefix}/clip_ratio"] = sum(1 for v in values if v >= limit) / len(values)
+    return {k: float(v) for k, v in out.items()}
+
+
+def _valid(x: Any, lengths: list[int] | None) -> list[float]:
+    """The values of a per-row ([B]) or per-token ([B, R]) tensor, a row's tokens cut at its response length."""
+    if not isinstance(x, torch.Tensor):
+        return []
+    x = x.detach().float().cpu()
+    if x.dim() < 2:
+        return x.flatten().tolist()
+    if lengths is None or len(lengths) != x.shape[0]:
+        return x.flatten().tolist()
+    return [v for row, n in zip(x.tolist(), lengths, strict=True) for v in row[: int(n)]]
+
+
 def check_response_lengths(p: Program, cfg: RunConfig) -> None:
     """No generate asks for longer responses than the plan priced (its workload's response_len)."""
     limit = p.workload.response_len
@@ -154,6 +183,7 @@ class Controller:
             dtype=self.p.target.dtype,
             seed=self.cfg.seed,
             optim=self.cfg.optim_for(e.role) if e.key.kind == EngineKind.TRAIN else None,
+            total_updates=self._total_updates(e.role),
             tokenizer=self.s.tokenizer,
             # the longest sequence a rollout engine sees: a prompt and the longest response any generate asks for
             max_model_len=w.prompt_len + max(w.response_len, self._max_tokens()),
@@ -162,6 +192,13 @@ class Controller:
             memory_fraction=e.memory_fraction,
             timeout_s=self.p.target.timeout_s,
         )
+
+    def _total_updates(self, role: str) -> int:
+        """Optimizer updates ``role`` makes in the whole run: steps × epochs × mini-batches × its
+        updates per step (what a decaying learning-rate schedule spans)."""
+        w = self.p.workload
+        per_step = sum(1 for st in self.p.steps_of(Op.UPDATE) if st.engine is not None and st.engine.role == role)
+        return max(self.cfg.steps * w.epochs * w.mini_batches * per_step, 1)
 
     def _max_tokens(self) -> int:
         asked = [int(st.args["max_tokens"]) for st in self.p.steps if st.args.get("max_tokens")]
@@ -417,6 +454,8 @@ class Controller:
         measured: dict[str, float] = {}
         gen_tokens = 0
         tokens_of: dict[str, int] = {}
+        lengths_of: dict[str, list[int]] = {}
+        texts_of: dict[str, list[str]] = {}
         for st in self.p.steps:
             if st.node not in it.metas:
                 continue
@@ -429,10 +468,12 @@ class Controller:
             if st.op == Op.GENERATE:
                 tokens_of[st.node] = sum(x["tokens"] for x in got)
                 gen_tokens += tokens_of[st.node]
+                lengths_of[st.node] = [n for x in got for n in x.get("lengths", [])]
+                texts_of[st.node] = [t for x in got for t in x.get("texts", [])]
             elif st.op == Op.UPDATE:
                 stats = [x["stats"] for x in got]
                 for k in stats[0]:
-                    m[f"{role}/{k}"] = sum(s[k] for s in stats) / len(stats)
+                    m[f"{role}/{VERL_STAT_NAMES.get(k, k)}"] = sum(s[k] for s in stats) / len(stats)
             elif st.op == Op.WEIGHT_SYNC:
                 m[f"{role}/sync_bytes_per_device"] = max(x["bytes"] for x in got)
                 m[f"{role}/sync_s"] = max(x["seconds"] for x in got)
@@ -447,14 +488,33 @@ class Controller:
                 m[f"{st.node}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
                 if bool(((scores == 0) | (scores == 1)).all()):
                     m[f"{st.node}/accuracy"] = float(scores.mean())
-            if st.op == Op.GENERATE and node.kwargs.get("greedy") is not True and "response_length" not in m:
-                m["response_length"] = tokens_of[st.node] / max(it.env[st.node].rows, 1)
+            if st.op == Op.GENERATE and node.kwargs.get("greedy") is not True and "response_length/mean" not in m:
+                lengths = lengths_of.get(st.node) or [tokens_of[st.node] / max(it.env[st.node].rows, 1)]
+                m.update(batch_stats("response_length", lengths, limit=self._response_limit(st)))
+            if st.op == Op.UPDATE and "advantages" in node.kwargs and "critic/advantages/mean" not in m:
+                adv = self._materialize(self._value(it.env, node.kwargs["advantages"]))
+                m.update(batch_stats("critic/advantages", _valid(adv, lengths_of.get(node.args[0].node))))
         first_reward = next((st.node for st in self.p.steps if st.op in (Op.REWARD, Op.SCORE)), None)
         if first_reward:
             m["reward"] = m[f"{first_reward}/mean"]
             m["reward_std"] = m[f"{first_reward}/std"]
             if f"{first_reward}/accuracy" in m:
                 m["accuracy"] = m[f"{first_reward}/accuracy"]
+            scores = self._materialize(it.env[first_reward]).float().flatten().tolist()
+            m.update(batch_stats("critic/score", scores))
+            src = g[first_reward].args[0].node
+            k = it.samples.get(src, 1)
+            texts = texts_of.get(src, [])
+            picked = [j * k for j in range(len(it.prompts))][:SAMPLES_PER_STEP]  # the first response to each of a few prompts
+            m["samples"] = [
+                {"prompt": it.prompts[i // k], "response": texts[i], "score": scores[i]}
+                for i in picked
+                if i < min(len(texts), len(scores))
+            ]
+        prompts = next((it.env[st.node] for st in self.p.steps if st.op == Op.INPUT and st.node in it.env), None)
+        mask = getattr(prompts.value, "attention_mask", None) if isinstance(prompts, Local) else None
+        if isinstance(mask, torch.Tensor):
+            m.update(batch_stats("prompt_length", mask.sum(dim=1).tolist(), limit=self.p.workload.prompt_len))
         for node_id, sec in self._extra["seconds"].items():
             measured[node_id] = measured.get(node_id, 0.0) + sec
         gen_tokens += self._extra["tokens"]
@@ -465,7 +525,14 @@ class Controller:
         m["tokens_per_s"] = gen_tokens / wall if wall > 0 else 0.0
         m["measured_s"] = measured
         m["predicted_s"] = {st.node: st.predicted_s for st in self.p.steps if st.group}
+        m.update({f"timing_s/{op}": sec for op, sec in measured.items()})
+        m["timing_s/step"] = wall
+        m["perf/throughput"] = m["tokens_per_s"]
         return m
+
+    def _response_limit(self, st: Step) -> int:
+        """The longest response ``st`` may generate (what ``response_length/clip_ratio`` counts)."""
+        return int(st.args.get("max_tokens") or self.cfg.sampling.max_tokens or self.p.workload.response_len)
 
     # ------------------------------------------------------------- evaluate
     def evaluate(self) -> dict[str, float]:

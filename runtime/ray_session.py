@@ -14,6 +14,7 @@ A local cluster (``address=None``) gets
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import tempfile
@@ -25,13 +26,33 @@ from flowc.errors import RuntimeFailure
 from flowc.runtime import reaper
 
 LOOPBACK = "127.0.0.1"
-WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+# TORCH_CPP_LOG_LEVEL: torch's C++ warnings (vLLM's CPU build logs its NUMA memory binding through
+# them on every engine start) stay out of the user's console; set it to WARNING to see them.
+WORKER_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+}
 LOCAL_WORKER_ENV = {**WORKER_ENV, "GLOO_SOCKET_IFNAME": "lo"}
 _SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray uses loopback as the node's address
 
 _reaper: subprocess.Popen[bytes] | None = None  # held for the process's life: its stdin pipe is the reaper's signal
 _temp_dir: str | None = None
 _CLUSTERS_ENABLED = ray._private.ray_constants.ENABLE_RAY_CLUSTER  # as Ray read it at import
+
+
+class _TokenAuthNotice(logging.Filter):
+    """Drops Ray's notice that a new local cluster uses token authentication (its default, which
+    flowc keeps); the warning that authentication is *disabled* still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token authentication is enabled for this Ray cluster" not in record.getMessage()
+
+
+def _quiet_token_notice() -> None:
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _TokenAuthNotice) for f in logger.filters):
+        logger.addFilter(_TokenAuthNotice())
 
 
 def local_temp_dir(pid: int | None = None) -> str:
@@ -50,6 +71,7 @@ def init_ray(address: str | None, *, temp_dir: str | None = None) -> bool:
     global _reaper, _temp_dir
     if ray.is_initialized():
         return False
+    _quiet_token_notice()
     if address:
         ray.init(address=address, runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=True)
         return True

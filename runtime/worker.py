@@ -130,7 +130,13 @@ class Worker:
             round_=args.get("round", 0),
             row_offset=args["row_offset"],
         )
-        meta = {"texts": texts, "tokens": int(r.response_mask.sum()), "slept": eng.sleep()}  # free the KV cache (vLLM on CUDA)
+        lengths = r.response_mask.sum(dim=1).tolist()  # per response: the step's length statistics
+        meta = {
+            "texts": texts,
+            "tokens": int(r.response_mask.sum()),
+            "lengths": lengths,
+            "slept": eng.sleep(),
+        }  # sleep: free the KV cache (vLLM on CUDA)
         return r, meta
 
     def _forward(self, eng: TrainEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -63,6 +63,7 @@ class EngineInit:
     dtype: str
     seed: int
     optim: OptimConfig | None = None
+    total_updates: int = 1  # optimizer updates of the whole run (the learning-rate schedule's length)
     tokenizer: str | None = None
     max_model_len: int = 0
     colocated: bool = False

@@ -32,10 +32,10 @@ from flowc.runtime.backends import Score, Trainer, built_backend
 from flowc.runtime.batches import even_split, num_rows, slice_rows
 
 
-def lr_at(cfg: OptimConfig, update: int) -> float:
-    """The learning rate of optimizer update ``update`` (0-based): a linear warm-up to ``lr``."""
-    warm = max(cfg.warmup_steps, 0)
-    return cfg.lr * (min(1.0, (update + 1) / warm) if warm else 1.0)
+def lr_at(cfg: OptimConfig, update: int, total: int) -> float:
+    """The learning rate of optimizer update ``update`` (0-based) of a run of ``total`` updates:
+    ``cfg``'s warm-up, then its schedule (constant, linear or cosine; see :class:`OptimConfig`)."""
+    return cfg.lr_at(update, total)
 
 
 def trim(r: Rollout) -> Rollout:
@@ -196,7 +196,7 @@ class TrainEngine:
         unit = 2 if isinstance(loss, PREFERENCE_LOSSES) else 1  # DPO's (chosen, rejected) rows stay together
         count_tokens = denominator_kind(loss.agg) == "tokens"
         sums: dict[str, float] = {}
-        weight, norm_sum, lr = 0.0, 0.0, lr_at(cfg, self.updates)
+        weight, norm_sum, lr = 0.0, 0.0, lr_at(cfg, self.updates, self.init.total_updates)
         for _epoch in range(epochs):
             for mlo, mhi in bounds:
                 mb = slice_rows(r, mlo, mhi)
@@ -216,7 +216,7 @@ class TrainEngine:
 
                 self.b.zero_grad()
                 got = self.b.run(parts, real, fn, train=True) or []
-                lr = lr_at(cfg, self.updates)
+                lr = lr_at(cfg, self.updates, self.init.total_updates)
                 norm_sum += self.b.step(lr) * (mhi - mlo)
                 self.updates += 1
                 for n, g in zip(real, got, strict=False):

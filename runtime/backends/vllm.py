@@ -98,7 +98,8 @@ class _Expected(logging.Filter):
     """Drops vLLM warnings that are expected with how flowc drives it, so real ones stand out:
     no chat template without a tokenizer; a reload finds no weights for rotary embeddings
     (they have none) or a tied LM head (re-tied by ``_retie_lm_head``); torch's thread count
-    is Ray's to set; eager mode without Triton on CPU; the seed flowc passes."""
+    is Ray's to set; eager mode without Triton on CPU; the seed flowc passes; on CPU, the hints to
+    LD_PRELOAD tcmalloc and iomp."""
 
     NOISE = (
         "Chat template warmup failed",
@@ -113,6 +114,10 @@ class _Expected(logging.Filter):
         "Enforce eager set",
         "Inductor compilation was disabled",
         "The global random seed is set",
+        # on CPU: performance hints about preloading tcmalloc/iomp (the worker runs without them) and
+        # the SSM cache dtype of models flowc does not run
+        "is not found in LD_PRELOAD",
+        "Reset SSM cache type",
     )
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -34,10 +34,17 @@ def test_default_grpo_runs_and_writes_the_run_directory(ray_cluster, tmp_path):
         "reward",
         "reward_std",
         "accuracy",
-        "actor/kl",
+        "actor/kl_loss",
         "actor/pg_loss",
+        "actor/pg_clipfrac",
         "actor/entropy",
-        "response_length",
+        "response_length/mean",
+        "response_length/clip_ratio",
+        "prompt_length/mean",
+        "critic/score/mean",
+        "critic/advantages/mean",
+        "timing_s/step",
+        "timing_s/actor.generate",
         "tokens_per_s",
         "step_s",
         "eval/accuracy",
@@ -130,7 +137,7 @@ def test_resume_continues_as_if_never_interrupted(ray_cluster, tmp_path):
     for x, y in zip(a, b, strict=True):
         assert x["reward"] == y["reward"]
         assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], abs=1e-6)
-        assert x["actor/kl"] == pytest.approx(y["actor/kl"], abs=1e-6)
+        assert x["actor/kl_loss"] == pytest.approx(y["actor/kl_loss"], abs=1e-6)
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(ray_cluster, tmp_path, monkeypatch):
