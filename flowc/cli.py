@@ -335,11 +335,21 @@ def run(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan this run would run (workload, backends) and exit.")
     ] = False,
+    init: Annotated[
+        str | None,
+        typer.Option(
+            "--init",
+            help="pretrained (default: every model's weights from its checkpoint) or random (random weights of the "
+            "model's architecture; the only way to run a catalogue name). Same as --set init=….",
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Plan the flow for this cluster and train it; writes runs/<name>/."""
     from flowc.run import run as do_run
 
+    if init is not None:
+        sets = [*(sets or []), f"init={init}"]
     req = _run_request(
         file, overrides, model=model, data=data, eval_data=eval_data, reward=reward, cluster=cluster, device=device,
         plan_file=plan_file, workload=workload, steps=steps, out=out, resume=resume, override=override,
