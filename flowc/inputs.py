@@ -243,6 +243,8 @@ def load_rows(path: str) -> Records:
 def required_columns(fn: Callable[..., Any]) -> list[str]:
     """The data columns a reward function cannot run without: its parameters after
     (prompts, responses) that have no default (none when it takes ``**columns``)."""
+    if hasattr(fn, "columns"):  # a verl or TRL convention's adapter (flowc.rewards.adapt) names its own
+        return list(fn.columns)
     params = list(inspect.signature(fn).parameters.values())
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return []
@@ -275,16 +277,35 @@ def check_rows(
                     fix=f"give every row a {c!r}",
                 )
         for c in text_cols:
-            if not isinstance(row[c], str):
-                kind = "a list of chat messages" if isinstance(row[c], list) else f"a {type(row[c]).__name__}"
+            if c == d.prompt_key and isinstance(row[c], list):
+                _check_messages(d, i, row[c], tok)
+            elif not isinstance(row[c], str):
                 raise DataError(
-                    f"{d.where(i)}: {c!r} is {kind}, not text",
-                    fix="give it as a string (chat-format prompts are not supported yet)",
+                    f"{d.where(i)}: {c!r} is a {type(row[c]).__name__}, not text"
+                    + (" or a list of chat messages" if c == d.prompt_key else ""),
+                    fix='give it as a string, or (prompts) as [{"role": "user", "content": "…"}, …]',
                 )
     _check_lengths(d, [r[d.prompt_key] for r in d.rows], tok, prompt_len, "prompt", "prompt_len", eos=False)
     if preferences:
         for c in ("chosen", "rejected"):
             _check_lengths(d, [r[c] for r in d.rows], tok, response_len, f"{c!r} response", "response_len", eos=True)
+
+
+def _check_messages(d: Records, i: int, msgs: list[Any], tok: Any) -> None:
+    """A chat-format prompt: role/content messages, and a tokenizer with a chat template."""
+    for k, m in enumerate(msgs):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(
+                f"{d.where(i)}: message {k} of the prompt is {m!r}, not a chat message",
+                fix='write each message as {"role": "user", "content": "…"}',
+            )
+    if not msgs:
+        raise DataError(f"{d.where(i)}: the prompt is an empty list of messages", fix="give at least one message")
+    if not getattr(tok, "chat_template", None):
+        raise DataError(
+            f"{d.where(i)}: the prompt is a list of chat messages, but the policy's tokenizer has no chat template",
+            fix="use an instruct model's tokenizer (it ships a chat template), or give prompts as text",
+        )
 
 
 def check_data(
@@ -314,13 +335,23 @@ def check_data(
 
 
 def _check_lengths(d: Records, texts: list[str], tok: Any, limit: int, what: str, knob: str, *, eos: bool) -> None:
-    from flowc.runtime.data import prompt_lengths
+    from flowc.runtime.data import encode_prompts, is_chat, render_prompt
 
-    lens = (
-        [n + 1 for n in (len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])]
-        if eos
-        else prompt_lengths(tok, texts)
-    )
+    ids = [[*x, 0] for x in tok(texts, add_special_tokens=False)["input_ids"]] if eos else encode_prompts(tok, texts)
+    lens = [len(x) for x in ids]
+    # text the tokenizer cannot encode (dropped, or an unknown token) must not reach the model silently:
+    # every row has to survive encoding and decoding (whitespace aside)
+    for i, row in enumerate(ids):
+        text = texts[i] if eos else render_prompt(tok, texts[i])
+        if tok.bos_token and not eos and not is_chat(texts[i]) and row[:1] == [tok.bos_token_id]:
+            text = tok.bos_token + text
+        back = tok.decode(row[: len(row) - 1] if eos else row, skip_special_tokens=False)
+        if "".join(back.split()) != "".join(text.split()):
+            raise DataError(
+                f"{d.where(i)}: the policy's tokenizer cannot encode the {what} {text[:60]!r} (it reads back as {back[:60]!r})",
+                fix="use the tokenizer of a model trained on such text (--model actor=…); the built-in tiny model "
+                "knows only digits, +, - and =",
+            )
     over = [i for i, n in enumerate(lens) if n > limit]
     if over:
         i, worst = over[0], max(lens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +41,108 @@ def load_reward(spec: str) -> tuple[Callable[..., Any], str]:
         raise SpecError(
             f"{mod_name} has no function {fn_name!r}", fix="name a function fn(prompts, responses, **columns) -> list[float]"
         )
-    return fn, spec
+    return adapt(fn), spec
+
+
+# ------------------------------------------------------------ conventions
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+
+
+def convention(fn: Callable[..., Any]) -> str:
+    """Which calling convention a reward function follows, by its parameter names: ``verl``
+    (per sample: ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``),
+    ``trl`` (``reward_func(prompts, completions, **kwargs)``) or ``flowc`` (batched:
+    ``fn(prompts, responses, **columns)``)."""
+    params = list(inspect.signature(fn).parameters)
+    if all(p in params for p in VERL_PARAMS):
+        return "verl"
+    if "completions" in params[:2]:
+        return "trl"
+    return "flowc"
+
+
+def adapt(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as flowc calls rewards (batched, ``(prompts, responses, **columns)``): verl's and
+    TRL's conventions wrapped; ``async def`` functions awaited (verl's per sample, concurrently)."""
+    kind = convention(fn)
+    if kind == "verl":
+        return VerlReward(fn)
+    if kind == "trl":
+        return TrlReward(fn)
+    if inspect.iscoroutinefunction(fn):
+        return AsyncReward(fn)
+    return fn
+
+
+def _run(coro: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+class AsyncReward:
+    """A batched ``async def`` reward, awaited."""
+
+    columns: tuple[str, ...] = ()
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "reward")
+        self.__signature__ = inspect.signature(fn)
+
+    def __call__(self, prompts: list[Any], responses: list[str], **columns: Any) -> Any:
+        return _run(self.fn(prompts, responses, **columns))
+
+
+class VerlReward:
+    """verl's per-sample ``compute_score(data_source, solution_str, ground_truth, extra_info)``
+    over a batch: ``ground_truth`` from the row's ``reward_model.ground_truth`` (or a
+    ``ground_truth`` column), ``extra_info`` passed when the function takes it; a coroutine
+    function's calls run concurrently; a dict result gives its ``score``."""
+
+    columns = ("data_source", "reward_model")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "compute_score")
+        self.takes_extra = "extra_info" in inspect.signature(fn).parameters
+
+    def _kwargs(self, i: int, response: str, columns: dict[str, list[Any]]) -> dict[str, Any]:
+        rm = columns.get("reward_model", [None] * (i + 1))[i]
+        truth = rm.get("ground_truth") if isinstance(rm, dict) else columns.get("ground_truth", [None] * (i + 1))[i]
+        kw = {"data_source": columns["data_source"][i], "solution_str": response, "ground_truth": truth}
+        if self.takes_extra:
+            kw["extra_info"] = columns.get("extra_info", [None] * (i + 1))[i]
+        return kw
+
+    def __call__(self, prompts: list[Any], responses: list[str], **columns: Any) -> list[Any]:
+        calls = [self._kwargs(i, r, columns) for i, r in enumerate(responses)]
+        if inspect.iscoroutinefunction(self.fn):
+            import asyncio
+
+            async def all_of() -> list[Any]:
+                return list(await asyncio.gather(*(self.fn(**kw) for kw in calls)))
+
+            return _run(all_of())
+        return [self.fn(**kw) for kw in calls]
+
+
+class TrlReward:
+    """TRL's ``reward_func(prompts, completions, **kwargs)``: completions are text for text
+    prompts and ``[{"role": "assistant", "content": …}]`` for chat prompts, as TRL passes them;
+    every data column arrives as a keyword."""
+
+    columns: tuple[str, ...] = ()
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "reward_func")
+
+    def __call__(self, prompts: list[Any], responses: list[str], **columns: Any) -> Any:
+        chat = bool(prompts) and isinstance(prompts[0], list)
+        completions = [[{"role": "assistant", "content": r}] for r in responses] if chat else list(responses)
+        out = self.fn(prompts=prompts, completions=completions, **columns)
+        return _run(out) if inspect.iscoroutine(out) else out
 
 
 def bind_rewards(

@@ -71,22 +71,60 @@ class Records:
         return self.rows if size is None else self.rows[:size]
 
 
-def prompt_lengths(tok: Any, prompts: list[str]) -> list[int]:
+Prompt = str | list[dict[str, Any]]  # text, or chat messages (role, content)
+
+
+def is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list)
+
+
+def render_prompt(tok: Any, prompt: Prompt) -> str:
+    """A chat prompt through the tokenizer's own chat template (with the generation prompt), or
+    the text as it is (TRL's rule: only conversational prompts are templated)."""
+    if not is_chat(prompt):
+        return prompt  # type: ignore[return-value]
+    if not getattr(tok, "chat_template", None):
+        raise DataError(
+            "a prompt is a list of chat messages, but the policy's tokenizer has no chat template",
+            fix="use an instruct model's tokenizer (it ships a chat template), or give prompts as text",
+        )
+    return tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompts(tok: Any, prompts: list[Prompt]) -> list[list[int]]:
+    """Each prompt's token ids: text with the tokenizer's special tokens, a templated chat
+    prompt as the template wrote it (its special tokens are in the text)."""
+    out = []
+    for p in prompts:
+        if is_chat(p):
+            out.append(tok(render_prompt(tok, p), add_special_tokens=False, truncation=False)["input_ids"])
+        else:
+            out.append(tok(p, truncation=False)["input_ids"])
+    return out
+
+
+def prompt_lengths(tok: Any, prompts: list[Prompt]) -> list[int]:
     """Each prompt's length in tokens, as :func:`tokenize_prompts` encodes it."""
-    return [len(x) for x in tok(prompts, truncation=False)["input_ids"]]
+    return [len(x) for x in encode_prompts(tok, prompts)]
 
 
-def tokenize_prompts(tok: Any, prompts: list[str], max_len: int) -> PromptBatch:
+def tokenize_prompts(tok: Any, prompts: list[Prompt], max_len: int) -> PromptBatch:
     """Left-padded prompt ids ``[B, max_len]`` (an error names a prompt that is too long)."""
-    lens = prompt_lengths(tok, prompts)
+    ids = encode_prompts(tok, prompts)
+    lens = [len(x) for x in ids]
     if max(lens, default=0) > max_len:
         i = max(range(len(lens)), key=lens.__getitem__)
         raise DataError(
             f"prompt {prompts[i]!r} is {lens[i]} tokens, longer than the workload's prompt_len {max_len}",
             fix=f"raise it: --workload prompt_len={lens[i]}",
         )
-    enc = tok(prompts, padding="max_length", max_length=max_len, truncation=False, return_tensors="pt")
-    return PromptBatch(enc["input_ids"], enc["attention_mask"].bool())
+    out = torch.full((len(ids), max_len), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), max_len), dtype=torch.bool)
+    for i, row in enumerate(ids):
+        if row:
+            out[i, max_len - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, max_len - len(row) :] = True
+    return PromptBatch(out, mask)
 
 
 def tokenize_pairs(
@@ -129,7 +167,20 @@ def call_reward(fn: RewardFn, name: str, prompts: list[str], responses: list[str
             fix="it is called as fn(prompts: list[str], responses: list[str], **columns) and must return one float per response",
         ) from e
     try:
-        scores = torch.as_tensor(list(out), dtype=torch.float32)
+        out = list(out)
+        for i, x in enumerate(out):
+            if isinstance(x, dict):  # verl's {"score": …, other metrics}
+                if "score" not in x:
+                    raise DataError(
+                        f"reward function {name} returned a dict without 'score' for response {i} (keys: {', '.join(x)})",
+                        fix='return {"score": float, …} or a float',
+                    )
+                out[i] = x["score"]
+            elif x is None:
+                raise DataError(f"reward function {name} returned None for response {i}", fix="return a score for every response")
+        scores = torch.as_tensor(out, dtype=torch.float32)
+    except DataError:
+        raise
     except Exception as e:
         raise DataError(
             f"reward function {name} returned {type(out).__name__}, not a sequence of numbers",

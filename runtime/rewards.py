@@ -91,6 +91,7 @@ class Rewards:
 def _by_value(fn: RewardFn) -> None:
     """Ship a function from the user's own module by value (one loaded from a file path is not
     in ``sys.modules`` and travels by value anyway; flowc's and installed packages' import anywhere)."""
+    fn = getattr(fn, "fn", fn)  # an adapter of verl's or TRL's convention (flowc.rewards): the user's function
     name = getattr(fn, "__module__", "") or ""
     module = sys.modules.get(name)
     file = getattr(module, "__file__", None)

@@ -21,6 +21,8 @@ SPECIALS = ("<pad>", "<s>", "</s>")
 CHARS = tuple("0123456789+-=")
 VOCAB = (*SPECIALS, *CHARS)
 EVAL_SIZE = 1000
+# chat-format prompts (verl's layout) render to the same text a string prompt is: the messages' contents
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 SEED = 20261202
 
 
@@ -78,9 +80,11 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left", model_max_length=64
     )
+    out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 def asset_dir() -> Path:

@@ -80,10 +80,15 @@ def test_every_row_is_checked_before_the_first_step(tmp_path, tok):
     ) as e:
         check(d, tok)
     assert "--workload prompt_len=" in e.value.fix
-    # a prompt that is not text
-    d = load_rows(jsonl(tmp_path, [good, '{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}']))
-    with pytest.raises(DataError, match=r"d\.jsonl:2: 'prompt' is a list of chat messages, not text"):
+    # a prompt that is neither text nor chat messages
+    d = load_rows(jsonl(tmp_path, [good, '{"prompt": 12, "answer": "x"}']))
+    with pytest.raises(DataError, match=r"d\.jsonl:2: 'prompt' is a int, not text or a list of chat messages"):
         check(d, tok)
+    # text the tokenizer cannot encode (it would become <unk>: "What is the capital of France?" was [1])
+    for bad in ('{"prompt": "What is 1+1?", "answer": "2"}', '{"prompt": [{"role": "user", "content": "hi"}], "answer": "x"}'):
+        d = load_rows(jsonl(tmp_path, [good, bad]))
+        with pytest.raises(DataError, match=r"d\.jsonl:2: the policy's tokenizer cannot encode the prompt"):
+            check(d, tok)
     # preference pairs: both responses, within response_len with EOS
     pair = '{"prompt": "1+1=", "chosen": "2", "rejected": "3"}'
     d = load_rows(jsonl(tmp_path, [pair, '{"prompt": "1+1=", "chosen": "2"}']))
