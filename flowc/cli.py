@@ -290,10 +290,15 @@ def run(
     model: ModelOpt = None,
     data: Annotated[
         str | None,
-        typer.Option("--data", help="Prompts: JSONL or Parquet with a 'prompt' column (and the columns your reward reads)."),
+        typer.Option(
+            "--data",
+            help="Prompts with a 'prompt' column (text or chat messages) and the columns your reward reads: "
+            "FILE (.jsonl .json .parquet .csv .arrow), FOLDER or hub dataset ID, [:SUBSET]:SPLIT optional "
+            "(e.g. data.parquet, openai/gsm8k:main:train, data/:train[:256]).",
+        ),
     ] = None,
     eval_data: Annotated[
-        str | None, typer.Option("--eval-data", help="Held-out prompts, same format, for the accuracy curve.")
+        str | None, typer.Option("--eval-data", help="Held-out prompts, as --data (default split: test), for the accuracy curve.")
     ] = None,
     reward: Annotated[
         list[str] | None,

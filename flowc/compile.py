@@ -14,13 +14,15 @@ import os
 from flowc.errors import SpecError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.graph import FlowGraph
+from flowc.ir.lora import LoraConfig, check_lora_backend
+from flowc.ir.lora import refusal as lora_refusal
 from flowc.ir.models import ModelSpec
 from flowc.ir.ops import Op
 from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.serialize import to_dict
 from flowc.ir.workload import WorkloadSpec
-from flowc.passes.pins import parse_pins
+from flowc.passes.pins import Pins, parse_pins
 from flowc.planning import check_backend_pins, fit_rollout, run_target, runtime_pins
 
 
@@ -46,7 +48,10 @@ def compile_plan(
     kind = cluster.profile.kind
     user = parse_pins(pin_words)
     check_backend_pins(user, kind)
+    loras = lora_roles(g, config, user)
     pins = runtime_pins(kind).merged(user)
+    if loras:  # only fsdp2 trains LoRA adapters: the planner chooses among its layouts for those roles
+        pins = pins.merged(parse_pins([f"{r}.train.backend=fsdp2" for r in loras]))
     candidates = [cluster]
     if split_local:
         cores = os.cpu_count() or 1
@@ -54,7 +59,17 @@ def compile_plan(
     best: Plan | None = None
     for c in candidates:
         target = run_target(c, config, rollout, here=here)
-        specs = {r: ModelSpec.resolve(src).model_copy(update={"dtype": target.dtype}) for r, src in sources.items()}
+        specs = {
+            r: ModelSpec.resolve(src).model_copy(update={"dtype": target.dtype, "lora": loras.get(r)})
+            for r, src in sources.items()
+        }
+        for r, lora in loras.items():
+            if why := lora_refusal(specs[r], lora):
+                raise SpecError(
+                    f"{r}: {why}",
+                    fix=f"adapt the attention only (--set optim.{r}.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]) "
+                    f"or train every weight (drop optim.{r}.lora)",
+                )
         fitted, notes = fit_rollout(g, specs, target, pins)  # e.g. a head_dim vLLM's CPU build cannot run: hf
         plan, _, _ = make_plan(g, specs, c, workload, fitted, target=target)
         if notes:
@@ -62,6 +77,21 @@ def compile_plan(
         if best is None or plan.predicted.step_time_s < best.predicted.step_time_s:
             best = plan
     return best
+
+
+def lora_roles(g: FlowGraph, config: RunConfig, pins: Pins | None = None) -> dict[str, LoraConfig]:
+    """The trained roles whose optimizer asks for LoRA adapters (``optim.ROLE.lora.rank`` > 0, or
+    ``default_optim``'s), each checked against a training backend the user pinned."""
+    out = {}
+    for role in dict.fromkeys(n.role for n in g.nodes if n.op == Op.UPDATE):
+        lora = config.optim_for(role).lora
+        if not lora.enabled:
+            continue
+        pinned = pins.phase(role, "train").backend if pins is not None else None
+        if pinned:
+            check_lora_backend(role, lora, pinned)
+        out[role] = lora
+    return out
 
 
 def check_saved(plan: Plan, g: FlowGraph, sources: dict[str, str], *, what: str) -> None:
@@ -93,6 +123,10 @@ def check_saved(plan: Plan, g: FlowGraph, sources: dict[str, str], *, what: str)
             )
 
 
+def _lora_text(lora: LoraConfig | None) -> str:
+    return f"{lora.short()} dropout {lora.dropout:g}" if lora is not None and lora.enabled else "off"
+
+
 def _shape(graph: dict) -> tuple:
     """What must match between a traced graph and a plan's: nodes (without the analyses' meta
     or the planner's weight syncs), roles and hyperparameters."""
@@ -118,4 +152,13 @@ def saved_conflicts(plan: Plan, *, workload: str | None, pins: list[str], rollou
             and not (field == "dtype" and config.dtype == "auto")
         ):
             out.append(f"config {field}={getattr(config, field)} (the plan's: {have})")
+    for role, rp in plan.roles.items():
+        if "train" not in rp.phases:
+            continue
+        o = config.optim_for(role)
+        if "lora" not in o.model_fields_set:  # the config is silent: the plan's adapters (or none) run
+            continue
+        want = o.lora
+        if (want if want.enabled else None) != rp.lora:
+            out.append(f"config optim.{role}.lora: {_lora_text(want)} (the plan's: {_lora_text(rp.lora)})")
     return out

@@ -196,48 +196,80 @@ def _builtin_tokenizer() -> Path:
 
 
 # --------------------------------------------------------------------- data
-def load_rows(path: str) -> Records:
-    """The rows of a JSONL or Parquet file, each a JSON object (an error names the file and
-    line of the first that is not one, or is not UTF-8 text)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"data file {path} does not exist", fix="give the path of a .jsonl or .parquet file")
-    if p.suffix in (".jsonl", ".json"):
-        rows, lines = [], []
+def load_rows(spec: str, *, held_out: bool = False) -> Records:
+    """The rows of ``--data SPEC`` (:mod:`flowc.data_source`: a file, a folder or a hub dataset
+    id, with an optional subset and split; ``held_out``: the default split is ``test``).
+
+    JSONL (and JSON) files are read here so that an error names the file and line of the
+    first row that is not a JSON object or not UTF-8 text; everything else goes through
+    Hugging Face ``datasets``, and an error names the row number."""
+    from flowc.data_source import TEXT_FILES, DataSource, read_splits
+
+    src = DataSource.parse(spec)
+    p = src.path
+    if p is not None and p.is_file() and p.suffix.lower() in TEXT_FILES:
+        whole = _read_json_rows(p, src.source)
+        if src.split is None:
+            return whole
+        lines = whole.lines or list(range(1, len(whole) + 1))
+        picked = [i for _, a, b in src.instructions({"train": len(whole)}, held_out=held_out) for i in range(a, b)]
+        return Records([whole.rows[i] for i in picked], src.source, lines=[lines[i] for i in picked])
+    src, splits = read_splits(src)
+    rows: list[dict[str, Any]] = []
+    numbers: list[int] = []
+    chosen = src.instructions({k: len(v) for k, v in splits.items()}, held_out=held_out)
+    for split, a, b in chosen:
+        rows += splits[split].select(range(a, b)).to_list()
+        numbers += range(a + 1, b + 1)  # 1-based row numbers in their split
+    if p is not None and p.is_file():
+        name = src.source  # one file: its row numbers
+    else:
+        name = f"{src.source} ({'/'.join(x for x in (src.subset, '+'.join(dict.fromkeys(s for s, _, _ in chosen))) if x)})"
+    if not rows:
+        raise DataError(f"{name} has no rows", fix="give data with at least one row (check the split's slice)")
+    return Records(rows, name, lines=numbers)
+
+
+def _read_json_rows(p: Path, path: str) -> Records:
+    """A JSONL file, or a JSON file holding one array of row objects."""
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read data file {path}: {e}") from None
+    if p.suffix.lower() == ".json" and raw.lstrip()[:1] == b"[":
         try:
-            raw = p.read_bytes()
-        except OSError as e:
-            raise DataError(f"cannot read data file {path}: {e}") from None
-        for i, line in enumerate(raw.split(b"\n"), 1):
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path}:{i}: not UTF-8 text ({e.reason} at byte {e.start} of the line)", fix="re-encode the file as UTF-8"
-                ) from None
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i}: not JSON: {e}", fix="write one JSON object per line") from None
+            items = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{path}: not a JSON array of rows: {e}", fix="write a JSON array of objects, or JSONL") from None
+        for k, row in enumerate(items):
             if not isinstance(row, dict):
                 raise DataError(
-                    f"{path}:{i}: a JSON {type(row).__name__} where a row (a JSON object) belongs",
-                    fix='write one object per line, e.g. {"prompt": "…", "answer": "…"}',
+                    f"{path}: item {k} of the array is a JSON {type(row).__name__}, not a row (a JSON object)",
+                    fix='write each row as an object, e.g. {"prompt": "…", "answer": "…"}',
                 )
-            rows.append(row)
-            lines.append(i)
-        return Records(rows, path, lines=lines)
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
+        return Records(items, path)
+    rows, lines = [], []
+    for i, line in enumerate(raw.split(b"\n"), 1):
         try:
-            rows = pq.read_table(p).to_pylist()
-        except Exception as e:
-            raise DataError(f"{path} is not a readable Parquet file: {e}") from None
-        return Records(rows, path)
-    raise DataError(f"data file {path} is neither .jsonl nor .parquet", fix="convert it to JSONL (one JSON object per line)")
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}:{i}: not UTF-8 text ({e.reason} at byte {e.start} of the line)", fix="re-encode the file as UTF-8"
+            ) from None
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{i}: not JSON: {e}", fix="write one JSON object per line") from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{path}:{i}: a JSON {type(row).__name__} where a row (a JSON object) belongs",
+                fix='write one object per line, e.g. {"prompt": "…", "answer": "…"}',
+            )
+        rows.append(row)
+        lines.append(i)
+    return Records(rows, path, lines=lines)
 
 
 def required_columns(fn: Callable[..., Any]) -> list[str]:
@@ -378,7 +410,7 @@ def load_data(g: FlowGraph, data: str | None, eval_data: str | None) -> tuple[Re
         rows_of = arith.preference_records if preferences else arith.records
         return Records(rows_of(train_p), "built-in arithmetic"), Records(rows_of(eval_p), "built-in arithmetic (held out)")
     train = load_rows(data)
-    held = load_rows(eval_data) if eval_data else None
+    held = load_rows(eval_data, held_out=True) if eval_data else None
     if preferences:
         for d in (train, held):
             missing = [c for c in ("chosen", "rejected") if d is not None and c not in d.rows[0]]

@@ -81,9 +81,7 @@ def _run(coro: Any) -> Any:
 
 
 class AsyncReward:
-    """A batched ``async def`` reward, awaited."""
-
-    columns: tuple[str, ...] = ()
+    """A batched ``async def`` reward, awaited (its columns are read from its signature)."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -130,19 +128,49 @@ class VerlReward:
 class TrlReward:
     """TRL's ``reward_func(prompts, completions, **kwargs)``: completions are text for text
     prompts and ``[{"role": "assistant", "content": …}]`` for chat prompts, as TRL passes them;
-    every data column arrives as a keyword."""
-
-    columns: tuple[str, ...] = ()
+    every data column arrives as a keyword. The columns it names without a default are required."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", "reward_func")
+        params = inspect.signature(fn).parameters.values()
+        self.columns = tuple(
+            p.name
+            for p in params
+            if p.name not in ("prompts", "completions")
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty
+        )
 
     def __call__(self, prompts: list[Any], responses: list[str], **columns: Any) -> Any:
         chat = bool(prompts) and isinstance(prompts[0], list)
         completions = [[{"role": "assistant", "content": r}] for r in responses] if chat else list(responses)
         out = self.fn(prompts=prompts, completions=completions, **columns)
         return _run(out) if inspect.iscoroutine(out) else out
+
+
+CALLED_AS = {
+    "verl": "verl's per-sample compute_score(data_source, solution_str, ground_truth, extra_info), "
+    "ground_truth from reward_model.ground_truth",
+    "trl": "TRL's reward_func(prompts, completions, **kwargs), the other columns as keywords",
+}
+
+
+def reward_notes(fns: dict[str, Callable[..., Any]], names: dict[str, str]) -> list[str]:
+    """A line per reward bound in verl's or TRL's convention (or ``async``): how flowc calls it."""
+    out = []
+    for role, fn in fns.items():
+        user = getattr(fn, "fn", fn)
+        kind = convention(user)
+        how = CALLED_AS.get(kind, "flowc's batched fn(prompts, responses, **columns)")
+        if kind != "flowc" or inspect.iscoroutinefunction(user):
+            asynchronous = ""
+            if inspect.iscoroutinefunction(user):
+                asynchronous = (
+                    ", async def: the responses' calls awaited concurrently" if kind == "verl" else ", async def: awaited"
+                )
+            out.append(f"reward {role} ({names.get(role, role)}): called as {how}{asynchronous}")
+    return out
 
 
 def bind_rewards(

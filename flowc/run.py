@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flowc.data_source import absolute_data
 from flowc.errors import FlowcError, Interrupted, SpecError
 from flowc.flows import Flow
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.graph import FlowGraph
+from flowc.ir.lora import LoraConfig
 from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
@@ -73,8 +75,8 @@ def record_of(req: RunRequest, config: RunConfig) -> RunRecord:
         flow=f"{Path(req.flow.file).resolve()}:{req.flow.name}",
         overrides=req.overrides,
         models={r: absolute_model(m) for r, m in req.models.items()},
-        data=absolute(req.data),
-        eval_data=absolute(req.eval_data),
+        data=absolute_data(req.data),
+        eval_data=absolute_data(req.eval_data),
         rewards={r: absolute_reward(s) for r, s in req.rewards.items()},
         cluster=req.cluster,
         device=req.device,
@@ -110,8 +112,8 @@ def given_options(
         "flow": f"{Path(flow.file).resolve()}:{flow.name}" if flow is not None else None,
         "overrides": overrides or None,
         "models": {r: absolute_model(m) for r, m in models.items()} if models else None,
-        "data": absolute(data),
-        "eval_data": absolute(eval_data),
+        "data": absolute_data(data),
+        "eval_data": absolute_data(eval_data),
         "rewards": {r: absolute_reward(s) for r, s in rewards.items()} if rewards else None,
         "cluster": cluster,
         "device": device,
@@ -190,7 +192,7 @@ def prepare(req: RunRequest, *, dry_run: bool = False) -> Prepared:
 
 def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_run: bool = False) -> Prepared:
     from flowc.inputs import check_data, load_data, model_sources
-    from flowc.rewards import bind_rewards
+    from flowc.rewards import bind_rewards, reward_notes
     from flowc.runtime.controller import RunSpec
     from flowc.runtime.program import lower
     from flowc.tasks import arithmetic as arith
@@ -203,6 +205,8 @@ def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_
     data, eval_data = load_data(g, req.data, req.eval_data)
     builtin = req.data is None
     rewards, names = bind_rewards(g, req.rewards, (arith.exact_match, "flowc.tasks.arithmetic:exact_match") if builtin else None)
+    for line in reward_notes(rewards, names):  # the convention recognised (verl's, TRL's) and how it is called
+        print(f"note: {line}", file=sys.stderr)
     plan, address, own = _plan(req, g, sources, out, builtin)
     check_data(g, [data, eval_data], tokenizer, plan.workload, rewards, names)  # every row, before the first step
     if not dry_run:
@@ -273,8 +277,15 @@ def _run_dir(out: Path) -> Path:
 
 def checkpoint_bytes(plan: Plan) -> float:
     """What one checkpoint of ``plan`` takes on disk: every trained role's fp32 weights and
-    Adam's two moments (12 bytes a parameter)."""
-    return sum(12.0 * rp.params_b * 1e9 for rp in plan.roles.values() if "train" in rp.phases)
+    Adam's two moments (12 bytes a parameter; with LoRA, a parameter of the adapters only)."""
+    from flowc.ir.models import ModelSpec
+
+    def trained(model: str, params_b: float, lora: LoraConfig | None) -> float:
+        if lora is None:
+            return params_b * 1e9
+        return float(ModelSpec.resolve(model).model_copy(update={"lora": lora}).trained_params)
+
+    return sum(12.0 * trained(rp.model, rp.params_b, rp.lora) for rp in plan.roles.values() if "train" in rp.phases)
 
 
 def _check_space(out: Path, plan: Plan, keep: int) -> None:

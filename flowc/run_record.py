@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from flowc._version import __version__
+from flowc.data_source import data_file
 from flowc.errors import SpecError
 from flowc.ir.run_config import RunConfig, apply_set, setting_keys
 
@@ -157,7 +158,7 @@ def absolute_model(source: str) -> str:
 
 def input_hashes(rec: RunRecord) -> dict[str, str]:
     """sha256 of every input file the run reads: the flow, the data, reward files."""
-    files = [rec.flow.rpartition(":")[0] or rec.flow, rec.data, rec.eval_data]
+    files = [rec.flow.rpartition(":")[0] or rec.flow, data_file(rec.data), data_file(rec.eval_data)]
     files += [s.rpartition(":")[0] for s in rec.rewards.values() if s.rpartition(":")[0].endswith(".py")]
     return {f: sha256(f) for f in files if f and Path(f).is_file()}
 

@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flowc.errors import SpecError
+from flowc.ir.lora import LoraConfig, adapter_params
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
@@ -52,6 +53,8 @@ class ModelSpec(BaseModel):
             non-rotary q/k head dim.
         dtype: parameter dtype for training and generation.
         hf_id: the Hugging Face id, when known.
+        lora: the LoRA adapters the role of this model trains (None: every weight); set by
+            `flowc run` from the role's ``optim.ROLE.lora`` so the planner prices them.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -79,6 +82,7 @@ class ModelSpec(BaseModel):
     v_head_dim: int = Field(0, ge=0)
     dtype: str = "bfloat16"
     hf_id: str | None = None
+    lora: LoraConfig | None = None
 
     @model_validator(mode="after")
     def _fill(self) -> ModelSpec:
@@ -183,6 +187,14 @@ class ModelSpec(BaseModel):
     def params_active(self) -> int:
         """Parameters one token uses (equals the total for dense models)."""
         return self._total(active=True)
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters with gradients and optimizer state when the role trains: its LoRA
+        adapters, or every parameter (a critic's value head, ``hidden_size`` more, is not counted)."""
+        if self.lora is None or not self.lora.enabled:
+            return self.params_total
+        return adapter_params(self, self.lora)
 
     @property
     def params_b(self) -> float:

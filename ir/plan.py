@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flowc.errors import SpecError
+from flowc.ir.lora import LoraConfig
 
 if TYPE_CHECKING:
     from flowc.ir.cluster import ClusterSpec
@@ -152,6 +153,8 @@ class RolePlan(BaseModel):
     params_b: float  # billions, 6 significant digits
     active_params_b: float
     phases: dict[Phase, PhasePlan]
+    # the LoRA adapters the role trains (None: every weight), as priced; the training engine builds these
+    lora: LoraConfig | None = None
 
 
 class PoolPlan(BaseModel):

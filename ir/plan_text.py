@@ -40,7 +40,9 @@ def format_plan(plan: Plan) -> str:
 def _header(plan: Plan) -> list[str]:
     c, w, p = plan.cluster, plan.workload, plan.predicted
     models = ", ".join(
-        f"{r}={rp.model} ({rp.params_b:g}B" + (f", {rp.active_params_b:g}B active)" if rp.active_params_b != rp.params_b else ")")
+        f"{r}={rp.model} ({rp.params_b:g}B"
+        + (f", {rp.active_params_b:g}B active" if rp.active_params_b != rp.params_b else "")
+        + (f", LoRA {rp.lora.short()})" if rp.lora is not None else ")")
         for r, rp in plan.roles.items()
     )
     return [

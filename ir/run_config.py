@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flowc.errors import SpecError
+from flowc.ir.lora import LoraConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.workload import WorkloadSpec
 
@@ -39,6 +40,8 @@ class OptimConfig(BaseModel):
         weight_decay: AdamW's decoupled weight decay.
         betas: AdamW's betas.
         max_grad_norm: clip the global gradient norm (0 disables).
+        lora: LoRA adapters to train instead of every weight (``rank`` 0, the default: off;
+            e.g. ``optim.actor.lora.rank=8``); see :class:`flowc.ir.lora.LoraConfig`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -51,6 +54,7 @@ class OptimConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = Field(1.0, ge=0)
+    lora: LoraConfig = LoraConfig()
 
     def lr_at(self, update: int, total: int) -> float:
         """The learning rate of optimizer update ``update`` (0-based) of ``total`` (``total_updates``
@@ -90,6 +94,8 @@ class RunConfig(BaseModel):
         cpus_per_worker: CPUs each worker reserves (CPU clusters).
         reward_timeout_s: the longest one call of a reward function may take (it runs in a
             process of its own, killed when it overruns; the run then fails naming the step).
+        reward_workers: reward processes that share each call's responses (contiguous shares,
+            scored at once: a judge or sandbox that answers per sample runs this many at a time).
         init: ``pretrained`` (the default): every model's weights come from its checkpoint (a
             directory or a Hugging Face hub id). ``random``: train from random weights of the
             model's architecture (its config and tokenizer; a catalogue name gets the built-in
@@ -113,6 +119,7 @@ class RunConfig(BaseModel):
     timeout_s: float = Field(600.0, gt=0)
     cpus_per_worker: float = Field(1.0, gt=0)
     reward_timeout_s: float = Field(120.0, gt=0)
+    reward_workers: int = Field(1, ge=1)
     init: Literal["pretrained", "random"] = "pretrained"
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
 

@@ -303,5 +303,6 @@ def role_plans(g: FlowGraph, ctx: PlanContext, roles: dict[str, dict[str, PhaseP
             params_b=float(f"{m.params_total / 1e9:.6g}"),
             active_params_b=float(f"{m.params_active / 1e9:.6g}"),
             phases=dict(sorted(roles[r].items(), key=lambda kv: PHASE_ORDER[kv[0]])),
+            lora=m.lora if m.lora is not None and m.lora.enabled and "train" in roles[r] else None,
         )
     return out

@@ -204,8 +204,15 @@ def _expert_dp(lay: Layout) -> int:
     return max(lay.tp * lay.dp * lay.cp // max(lay.ep, 1), 1)
 
 
+def trained_fraction(m: ModelSpec) -> float:
+    """The share of a role's parameters that train: 1, or its LoRA adapters' share of the model."""
+    return m.trained_params / m.params_total if m.lora is not None and m.lora.enabled else 1.0
+
+
 def train_state_gb(m: ModelSpec, lay: Layout) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) GB per device of a trained role, after offload."""
+    if m.lora is not None and m.lora.enabled:
+        return _lora_state_gb(m, lay)
     if lay.fsdp:  # FSDP2 mixed precision: fp32 sharded params (master), fp32 grads, Adam m, v
         p = params_per_device(m, lay).total
         w, g, o = 4.0 * p, 4.0 * p, 8.0 * p
@@ -223,9 +230,28 @@ def train_state_gb(m: ModelSpec, lay: Layout) -> tuple[float, float, float]:
     return w / GB, g / GB, o / GB
 
 
+def _lora_state_gb(m: ModelSpec, lay: Layout) -> tuple[float, float, float]:
+    """LoRA: the frozen base holds weights only, in the compute dtype (it is never updated, so
+    it needs no fp32 master copy); the adapters (sharded like the base) hold fp32 weights,
+    fp32 gradients and Adam's two moments."""
+    p = params_per_device(m, lay).total
+    a = p * trained_fraction(m)
+    if lay.fsdp and lay.offload_params:
+        return 0.0, 0.0, 0.0
+    w, g, o = m.bytes_per_param * (p - a) + 4.0 * a, 4.0 * a, 8.0 * a
+    if lay.offload_optimizer:
+        o = 0.0
+    return w / GB, g / GB, o / GB
+
+
 def host_state_gb(m: ModelSpec, lay: Layout) -> float:
     """GB per device of training state kept in host memory by offload."""
     p = params_per_device(m, lay).total
+    if m.lora is not None and m.lora.enabled:
+        a = p * trained_fraction(m)
+        if lay.fsdp and lay.offload_params:
+            return (m.bytes_per_param * (p - a) + 16.0 * a) / GB
+        return 8.0 * a / GB if lay.offload_optimizer else 0.0
     if lay.fsdp and lay.offload_params:
         return 16.0 * p / GB
     if lay.offload_optimizer:
@@ -287,6 +313,8 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     t_micro = _tokens_per_micro(lay, d.seq_len, seqs_per_dp)
     eff = hw.eff.train * (hw.eff.moe_train if m.is_moe else 1.0) * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     flops = train_flops(m, d.tokens, d.seq_len, recompute=lay.activation_checkpointing)
+    if m.lora is not None and m.lora.enabled:  # frozen weights get no weight gradients: those backward GEMMs drop out
+        flops -= 2.0 * d.tokens * max(matmul_params(m) - m.trained_params, 0)
     compute = flops / (devices * hw.peak * eff)
     tokens_per_rank = d.tokens / lay.dp / lay.cp
     layers = m.num_layers / lay.pp
@@ -309,6 +337,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         pp_p2p = 2 * tokens_per_rank * h2 / hw.link(lay.pp, lay.tp * lay.cp * lay.dp) * (lay.pp - 1) / lay.pp
     # data parallel: gradient reduction (and parameter gathering) per update or per micro-batch
     ps_full = params_per_device(m, lay, sharded_over_dp=False)
+    trained = trained_fraction(m)  # LoRA: only the adapters have gradients to reduce and an optimizer step
     dp_bw = _dp_bw(hw, lay)
     dp = 0.0
     if lay.dp * lay.cp > 1:
@@ -316,12 +345,14 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         if lay.fsdp:  # all-gather fwd + bwd (compute dtype) every micro-batch; fp32 grads reduce-scattered once per update
             groups = m.num_layers + 1  # one collective per layer group and the root
             per_mb = gather_time(ps_full.total * wb, group, dp_bw, 0.0) * 2 + 2 * groups * hw.latency
-            comm = (per_mb * mbs + gather_time(ps_full.total * 4.0, group, dp_bw, 0.0) + groups * hw.latency) * d.updates
+            comm = (
+                per_mb * mbs + gather_time(ps_full.total * trained * 4.0, group, dp_bw, 0.0) + groups * hw.latency
+            ) * d.updates
             # the sharded (DTensor) optimizer step and norm pay a dispatch per parameter tensor
             dtensor = 2 * _param_tensors(m) * hw.layer_overhead * d.updates
             dp = max(comm - hw.overlap * compute, (1 - hw.overlap) * comm) + dtensor
         elif lay.backend == "fsdp2":  # replicated: one all-reduce of the fp32 gradients per update
-            comm = allreduce_time(ps_full.total * 4.0, group, dp_bw, hw.latency) * d.updates
+            comm = allreduce_time(ps_full.total * trained * 4.0, group, dp_bw, hw.latency) * d.updates
             dp = comm
         else:  # distributed optimizer: reduce-scatter fp32 grads + all-gather the params, per update
             comm = (
@@ -337,10 +368,11 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         ep = 4 * m.moe_layers / lay.pp * a2a / hw.link(lay.ep)
     # optimizer step: memory-bound pass over master weights, moments and grads
     local = params_per_device(m, lay).total
+    stepped = local * trained
     if lay.offload_optimizer or lay.offload_params:
-        opt = (local * 6.0 / hw.host + local / CPU_ADAM_PARAMS_PER_S) * d.updates
+        opt = (stepped * 6.0 / hw.host + stepped / CPU_ADAM_PARAMS_PER_S) * d.updates
     else:
-        opt = local * 32.0 / (hw.hbm * 0.8) * d.updates
+        opt = stepped * 32.0 / (hw.hbm * 0.8) * d.updates
     offload = 0.0
     if lay.offload_params:  # host → device copies of the shards every micro-batch (half hidden by prefetch)
         offload = 0.5 * local * wb * 2 / hw.host * mbs * d.updates

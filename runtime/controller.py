@@ -77,6 +77,7 @@ class Iteration:
     env: dict[str, Any] = field(default_factory=dict)  # node → Sharded | Local
     metas: dict[str, list[Any]] = field(default_factory=dict)  # device node → refs of its metadata
     samples: dict[str, int] = field(default_factory=dict)  # generate node → n
+    reward_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # reward node → its dicts' extra numbers
 
 
 SAMPLES_PER_STEP = 4  # (prompt, response, score) rows a step's metrics carry for the trackers' tables
@@ -131,7 +132,7 @@ class Controller:
         self.p = spec.program
         self.cfg = spec.config
         check_response_lengths(self.p, self.cfg)
-        self.rewards = Rewards(spec.rewards, spec.reward_names, self.cfg.reward_timeout_s)
+        self.rewards = Rewards(spec.rewards, spec.reward_names, self.cfg.reward_timeout_s, self.cfg.reward_workers)
         self.groups: dict[str, WorkerGroup] = {}
         self.tok = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.history: list[dict[str, Any]] = []
@@ -183,6 +184,7 @@ class Controller:
             dtype=self.p.target.dtype,
             seed=self.cfg.seed,
             optim=self.cfg.optim_for(e.role) if e.key.kind == EngineKind.TRAIN else None,
+            lora=e.lora,  # the plan's adapters (what it priced), not re-read from the config
             total_updates=self._total_updates(e.role),
             tokenizer=self.s.tokenizer,
             # the longest sequence a rollout engine sees: a prompt and the longest response any generate asks for
@@ -319,7 +321,8 @@ class Controller:
             f"step {it.step}{f' (filter round {it.round})' if it.round else ''}: {len(texts)} responses to "
             f"{len(it.prompts)} prompts ({self.s.data.rows_named(it.rows)})"
         )
-        it.env[st.node] = Local(self.rewards.score(node.role, ptext, texts, cols, where=where))
+        scores, it.reward_metrics[st.node] = self.rewards.score_with_metrics(node.role, ptext, texts, cols, where=where)
+        it.env[st.node] = Local(scores)
 
     def _compute(self, st: Step, node: Node, it: Iteration) -> None:
         fn = resolve(node.target)
@@ -488,6 +491,8 @@ class Controller:
                 m[f"{st.node}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
                 if bool(((scores == 0) | (scores == 1)).all()):
                     m[f"{st.node}/accuracy"] = float(scores.mean())
+                for key, mean in it.reward_metrics.get(st.node, {}).items():  # e.g. verl's {"score": …, "acc": …}
+                    m[f"{st.node}/{key}/mean"] = mean
             if st.op == Op.GENERATE and node.kwargs.get("greedy") is not True and "response_length/mean" not in m:
                 lengths = lengths_of.get(st.node) or [tokens_of[st.node] / max(it.env[st.node].rows, 1)]
                 m.update(batch_stats("response_length", lengths, limit=self._response_limit(st)))

@@ -9,6 +9,7 @@ run draws exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import inspect
+import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class Records:
     rows: list[dict[str, Any]]
     name: str = "data"
     prompt_key: str = "prompt"
-    lines: list[int] | None = None  # each row's line (JSONL) or row number (Parquet) in its file, for errors
+    lines: list[int] | None = None  # each row's line (JSONL) or row number (Parquet, CSV, a split), for errors
 
     def where(self, i: int) -> str:
         """``file:line`` of row ``i``."""
@@ -153,7 +154,23 @@ def tokenize_pairs(
 
 
 def call_reward(fn: RewardFn, name: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]]) -> torch.Tensor:
-    """Call a user's reward function and check what it returns."""
+    """Call a user's reward function and check what it returns: one score per response."""
+    return score_reward(fn, name, prompts, responses, columns)[0]
+
+
+def score_reward(
+    fn: RewardFn,
+    name: str,
+    prompts: list[str],
+    responses: list[str],
+    columns: dict[str, list[Any]],
+    *,
+    offset: int = 0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`call_reward`, and the batch mean of every other number a response's dict carried
+    (verl's ``{"score": 1.0, "acc": True, "pred": "4"}``: ``{"acc": 1.0}``; text is left out).
+    ``offset``: the first response's number in the whole batch (a shard's), for errors."""
+    extras: dict[str, list[float]] = {}
     try:
         sig = inspect.signature(fn)
         takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
@@ -172,12 +189,19 @@ def call_reward(fn: RewardFn, name: str, prompts: list[str], responses: list[str
             if isinstance(x, dict):  # verl's {"score": …, other metrics}
                 if "score" not in x:
                     raise DataError(
-                        f"reward function {name} returned a dict without 'score' for response {i} (keys: {', '.join(x)})",
+                        f"reward function {name} returned a dict without 'score' for response {offset + i} (keys: {', '.join(x)})",
                         fix='return {"score": float, …} or a float',
                     )
                 out[i] = x["score"]
-            elif x is None:
-                raise DataError(f"reward function {name} returned None for response {i}", fix="return a score for every response")
+                for k, v in x.items():
+                    if k != "score" and isinstance(v, numbers.Real | bool):  # a number, numpy's too
+                        extras.setdefault(k, []).append(float(v))
+            elif x is None:  # TRL's "not applicable": there other functions score the sample; here none would
+                raise DataError(
+                    f"reward function {name} returned None for response {offset + i}",
+                    fix="return a score for every response (a flowc Reward role's scores are used alone; TRL's None "
+                    "'not applicable' needs another function to score the sample: combine them in one)",
+                )
         scores = torch.as_tensor(out, dtype=torch.float32)
     except DataError:
         raise
@@ -193,4 +217,4 @@ def call_reward(fn: RewardFn, name: str, prompts: list[str], responses: list[str
         )
     if not torch.isfinite(scores).all():
         raise DataError(f"reward function {name} returned a non-finite score", fix="return finite floats")
-    return scores
+    return scores, {k: sum(v) / len(v) for k, v in extras.items()}

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from flowc.errors import PlanError
+from flowc.errors import PlanError, SpecError
 from flowc.ir.graph import FlowGraph
+from flowc.ir.lora import LoraConfig, check_lora_backend
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP, TRAINABLE_KINDS, Op, RoleKind, _Name
 from flowc.ir.plan import Layout, PhasePlan, Plan, ReshardPlan, Target
 from flowc.ir.plan_verify import device_ids, verify_plan
@@ -63,6 +64,7 @@ class EngineSpec:
     layout: Layout
     model: str
     memory_fraction: float = 0.0  # of each device, what the plan gives a rollout engine (0: not planned)
+    lora: LoraConfig | None = None  # a training engine's LoRA adapters, as the plan priced them
 
     @property
     def role(self) -> str:
@@ -150,7 +152,7 @@ class Program:
         for g in self.groups:
             lines.append(f"  group {g.name}: {g.size} workers on devices {list(g.devices)} (nodes {list(g.nodes)})")
             for e in g.engines:
-                lines.append(f"    engine {e} model={e.model}")
+                lines.append(f"    engine {e} model={e.model}" + (f" lora={e.lora.short()}" if e.lora is not None else ""))
         lines.append("  steps")
         lines += [f"    {s}" for s in self.steps]
         return "\n".join(lines) + "\n"
@@ -176,6 +178,11 @@ def check_executable(plan: Plan, *, here: bool = True) -> None:
                     "which this runtime does not do (it keeps that state on the device)",
                     fix="re-plan within what the runtime executes (flowc plan … --for-run)",
                 )
+        if rp.lora is not None and "train" in rp.phases:
+            try:
+                check_lora_backend(role, rp.lora, rp.phases["train"].layout.backend)
+            except SpecError as e:
+                raise PlanError(e.what, fix=e.fix) from None
         if "forward" in rp.phases and "train" in rp.phases:
             fw, tr = rp.phases["forward"], rp.phases["train"]
             if (fw.pool, fw.layout) != (tr.pool, tr.layout):
@@ -216,7 +223,8 @@ def lower(plan: Plan, *, here: bool = True) -> Program:
             key = EngineKey(role, EngineKind.of(rp.kind, phase))
             if phase == "forward" and key.kind == EngineKind.TRAIN:
                 continue  # a trained role's forward ops run on its training engine, in its training layout
-            engines[pp.pool].append(EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model, _memory_fraction(pp, phase)))
+            lora = rp.lora if key.kind == EngineKind.TRAIN else None
+            engines[pp.pool].append(EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model, _memory_fraction(pp, phase), lora))
     groups = tuple(
         GroupSpec(
             p.name, tuple(sorted(device_ids(p.devices))), node_size, tuple(sorted(engines[p.name], key=lambda e: str(e.key)))

@@ -1,8 +1,9 @@
 """Reward functions run in their own process, each call with a deadline.
 
 A user's reward is arbitrary Python: it may hang (a judge that never answers), spin,
-crash its interpreter or leak memory. :class:`Rewards` calls it in a Ray actor of
-its own, waits at most ``reward_timeout_s`` for an answer, and on a timeout kills
+crash its interpreter or leak memory. :class:`Rewards` calls it in Ray actors of
+its own (``reward_workers`` of them, each scoring a contiguous share of a call's
+responses: a slow judge or a sandbox round trip per sample runs N at a time), waits at most ``reward_timeout_s`` for an answer, and on a timeout kills
 that process (a fresh one serves the next call), so the run fails with an error
 that names the reward, the step and the rows instead of hanging. Functions from a
 user's own files travel to that process by value, so it needs no import path.
@@ -19,7 +20,7 @@ import ray
 import torch
 
 from flowc.errors import DataError, RuntimeFailure
-from flowc.runtime.data import RewardFn, call_reward
+from flowc.runtime.data import RewardFn, score_reward
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -29,19 +30,23 @@ class RewardWorker:
     def __init__(self, fns: dict[str, RewardFn], names: dict[str, str]) -> None:
         self.fns, self.names = fns, names
 
-    def score(self, role: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]]) -> torch.Tensor:
-        return call_reward(self.fns[role], self.names.get(role, role), prompts, responses, columns)
+    def score(
+        self, role: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]], offset: int = 0
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        return score_reward(self.fns[role], self.names.get(role, role), prompts, responses, columns, offset=offset)
 
     def pid(self) -> int:
         return os.getpid()
 
 
 class Rewards:
-    """The run's reward functions behind a process boundary and a per-call timeout."""
+    """The run's reward functions behind a process boundary and a per-call timeout, in a pool
+    of ``workers`` processes that share each call's responses."""
 
-    def __init__(self, fns: dict[str, RewardFn], names: dict[str, str], timeout_s: float) -> None:
+    def __init__(self, fns: dict[str, RewardFn], names: dict[str, str], timeout_s: float, workers: int = 1) -> None:
         self.fns, self.names, self.timeout_s = fns, names, timeout_s
-        self._worker: Any = None
+        self.workers = max(1, workers)
+        self._pool: list[Any] = []
         for fn in fns.values():
             _by_value(fn)
 
@@ -51,21 +56,31 @@ class Rewards:
     def __iter__(self):
         return iter(self.fns)
 
-    def _actor(self) -> Any:
-        if self._worker is None:
-            self._worker = RewardWorker.remote(self.fns, self.names)
-        return self._worker
+    def _actors(self) -> list[Any]:
+        if not self._pool:
+            self._pool = [RewardWorker.remote(self.fns, self.names) for _ in range(self.workers)]
+        return self._pool
 
     def score(
         self, role: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]], *, where: str
     ) -> torch.Tensor:
         """``role``'s scores of the responses; ``where`` (e.g. "step 7, rows 0-63") names the call in errors."""
+        return self.score_with_metrics(role, prompts, responses, columns, where=where)[0]
+
+    def score_with_metrics(
+        self, role: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]], *, where: str
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """:meth:`score`, and the batch means of the extra numbers its dict results carried."""
         name = self.names.get(role, role)
-        ref = self._actor().score.remote(role, prompts, responses, columns)
+        shares = _shares(len(responses), self.workers)
+        refs = [
+            w.score.remote(role, prompts[a:b], responses[a:b], {k: v[a:b] for k, v in columns.items()}, a)
+            for w, (a, b) in zip(self._actors(), shares, strict=False)
+        ]
         try:
-            return ray.get(ref, timeout=self.timeout_s)
+            got = ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
-            self.stop()  # kill the stuck process; the next call starts a fresh one
+            self.stop()  # kill the stuck processes; the next call starts fresh ones
             raise DataError(
                 f"reward {role} ({name}) did not return within {self.timeout_s:g} s at {where}; its process was killed",
                 fix="make it return sooner (a hung network call?), or raise reward_timeout_s in the run config",
@@ -76,16 +91,31 @@ class Rewards:
                 raise DataError(f"at {where}: {cause.what}", fix=cause.fix) from None
             raise DataError(f"reward {role} ({name}) failed at {where}: {cause or e}") from None
         except ray.exceptions.RayActorError as e:
-            self._worker = None
+            self.stop()
             raise RuntimeFailure(
                 f"reward {role} ({name}) killed its process at {where} (it exited or crashed: {type(e).__name__})",
                 fix="a reward function must return its scores, not exit; see the log above",
             ) from None
 
+        scores = torch.cat([s for s, _ in got]) if got else torch.zeros(0)
+        metrics: dict[str, tuple[float, int]] = {}  # key → (weighted sum, rows) over the shares that carry it
+        for (_, extra), (a, b) in zip(got, shares, strict=True):
+            for k, v in extra.items():
+                total, rows = metrics.get(k, (0.0, 0))
+                metrics[k] = (total + v * (b - a), rows + (b - a))
+        return scores, {k: total / rows for k, (total, rows) in metrics.items()}
+
     def stop(self) -> None:
-        if self._worker is not None and ray.is_initialized():
-            ray.kill(self._worker, no_restart=True)
-        self._worker = None
+        if ray.is_initialized():
+            for w in self._pool:
+                ray.kill(w, no_restart=True)
+        self._pool = []
+
+
+def _shares(n: int, workers: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal ``[start, stop)`` shares of ``n`` responses (none empty; one when n is 0)."""
+    k = max(1, min(workers, n))
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def _by_value(fn: RewardFn) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from flowc.errors import PlanError
 from flowc.ir.functional import PromptBatch, Rollout
+from flowc.ir.lora import LoraConfig
 from flowc.ir.models import ModelSpec
 from flowc.ir.ops import RoleKind
 from flowc.ir.plan import Backend, Layout
@@ -48,6 +49,8 @@ class EngineInit:
         dtype: the plan target's parameter dtype (``float32``, ``bfloat16``).
         seed: the run's seed.
         optim: the optimizer of a trained role (None: frozen).
+        lora: the LoRA adapters a trained role learns instead of its weights (None: every
+            weight); the plan's, built by the ``fsdp2`` backend with ``peft``.
         tokenizer: the policy's tokenizer directory (rollout engines).
         max_model_len: the longest prompt + response a rollout engine sees.
         colocated: a rollout engine shares its devices with a trainer.
@@ -63,6 +66,7 @@ class EngineInit:
     dtype: str
     seed: int
     optim: OptimConfig | None = None
+    lora: LoraConfig | None = None
     total_updates: int = 1  # optimizer updates of the whole run (the learning-rate schedule's length)
     tokenizer: str | None = None
     max_model_len: int = 0

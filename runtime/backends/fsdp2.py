@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flowc.errors import DataError
 from flowc.ir.functional import Rollout
 from flowc.ir.ops import LM_KINDS, RoleKind
 from flowc.ir.plan import Layout
 from flowc.runtime.backends import EngineInit, MicroFn
 from flowc.runtime.backends.collectives import allreduce, compute_device, to_device, world
+from flowc.runtime.lora import add_adapters, merge_adapters, save_adapter, trainable
 from flowc.runtime.modeling import (
     ValueModel,
     load_causal_lm,
@@ -74,16 +76,23 @@ class Fsdp2Trainer:
             model = load_value_model(init.source, dtype=init.torch_dtype, scores=init.kind == RoleKind.REWARD_MODEL)
             lm = model.trunk
         self.device = compute_device()
+        # LoRA (a trained role the plan gives adapters): peft's layers in the decoder, the rest frozen
+        self.lora = init.lora if init.optim is not None and init.lora is not None and init.lora.enabled else None
+        if self.lora is not None:
+            model = add_adapters(model, self.lora, seed=init.seed, role=init.role)
         model = model.to(self.device)
         if init.layout.activation_checkpointing and hasattr(lm, "gradient_checkpointing_enable"):
             lm.gradient_checkpointing_enable()
+            if self.lora is not None and hasattr(lm, "enable_input_require_grads"):
+                lm.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
         self.model = parallelize(model, layout=init.layout)
         self.is_output = True  # no model parallelism: every rank answers for its own rows
         self.last_received = 0.0
         self.opt: torch.optim.Optimizer | None = None
         if init.optim is not None:
             o = init.optim
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+            params = trainable(self.model) if self.lora is not None else self.model.parameters()  # LoRA: adapters only
+            self.opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
             self.model.train()
         else:
             self.model.eval()
@@ -157,8 +166,10 @@ class Fsdp2Trainer:
 
     # ---------------------------------------------------------------- sync
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's parameters under HF names; with LoRA, the adapters merged into the base
+        weights, so a rollout engine runs exactly the trained model (docs/backends.md)."""
         params, self.last_received = self.full_params()
-        yield from params.items()
+        yield from (merge_adapters(params, self.lora) if self.lora is not None else params.items())
 
     def full_params(self) -> tuple[dict[str, torch.Tensor], float]:
         """Every parameter whole, and the bytes this rank received to get them.
@@ -194,24 +205,47 @@ class Fsdp2Trainer:
 
     # ---------------------------------------------------------- checkpoint
     def state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-        st: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        # LoRA: the frozen base is the source checkpoint; only the adapters (and a value head) are saved
+        model = get_model_state_dict(self.model, options=StateDictOptions(ignore_frozen_params=self.lora is not None))
+        if self.lora is not None:  # a tied LM head slips through as the embedding's second name: keep what trains
+            model = {k: v for k, v in model.items() if k in self._trained_names()}
+        st: dict[str, Any] = {"model": model}
         if self.opt is not None:
             st["optim"] = get_optimizer_state_dict(self.model, self.opt)
         return st
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    def _trained_names(self) -> set[str]:
+        return {n for n, p in self.model.named_parameters() if p.requires_grad}
 
-        set_model_state_dict(self.model, state["model"])
+    def load_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        if self.lora is not None:  # the adapters (and a value head) over the base loaded from the source
+            want = self._trained_names()
+            if want - set(state["model"]) or set(state["model"]) - want:
+                raise DataError(
+                    f"{self.init.role}: the checkpoint's weights are not this run's LoRA adapters "
+                    f"(missing {sorted(want - set(state['model']))[:2]}, extra {sorted(set(state['model']) - want)[:2]})",
+                    fix="resume with the LoRA settings the run was started with (its run.json), or start a new run",
+                )
+            set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
+        else:
+            set_model_state_dict(self.model, state["model"])
         if self.opt is not None:
             set_optimizer_state_dict(self.model, self.opt, state["optim"])
 
     def export_hf(self, path: str, tokenizer: str | None) -> None:
+        """The trained model in HF format (rank 0 writes); with LoRA, the merged model, and for
+        a policy the adapters alone in ``PATH/adapter`` (peft's layout, over the source model)."""
         params, _ = self.full_params()
         if world()[1] != 0:
             return
+        if self.lora is not None:
+            if self.lm_head:
+                save_adapter(params, self.lora, self.init.source, f"{path}/adapter")
+            params = dict(merge_adapters(params, self.lora))
         if not self.lm_head:  # written as a sequence classifier: the trunk and its score head
             params = value_state(params, self.model.prefix)
         save_hf(self.init.source, params, path, tokenizer, value=not self.lm_head, what=self.init.role)

@@ -36,6 +36,7 @@ class HfRollout:
         out = sample(self.model, ids, mask, sp, max_tokens=max_tokens, eos_id=eos_id, pad_id=pad_id, seeds=seeds.to(self.device))
         return Sampled(out.response_ids.cpu(), out.response_mask.cpu(), out.logprobs.cpu())
 
+    @torch.no_grad()
     def logprobs(self, r: Rollout) -> torch.Tensor:
         args = (x.to(self.device) for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask))
         return response_logprobs(self.model, *args).cpu()

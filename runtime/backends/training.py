@@ -250,15 +250,25 @@ class TrainEngine:
 
     def describe(self) -> dict[str, Any]:
         """What runs, as built: backend, parameter dtype, whether parameters are sharded over the
-        pool, whether it trains, and the micro-batches its last op ran."""
+        pool, whether it trains, and the micro-batches its last op ran (with LoRA, the adapters
+        and how many parameters train)."""
         params = list(self.b.model.parameters())
-        return {
+        out = {
             "backend": built_backend(self.b),
             "dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
             "sharded": any(hasattr(p, "to_local") for p in params),
             "trains": self.init.optim is not None,
             "micro_batches": self.micro_batches,
         }
+        lora = getattr(self.b, "lora", None)
+        if lora is not None:  # the adapters built, and what the optimizer steps (this rank's share when sharded)
+            out["lora"] = lora.short()
+            out["trained_params"] = _numel(p for p in params if p.requires_grad)
+        return out
+
+
+def _numel(params: Iterator[torch.Tensor]) -> int:
+    return sum(int(p.to_local().numel() if hasattr(p, "to_local") else p.numel()) for p in params)
 
 
 def _host(x: torch.Tensor | None) -> torch.Tensor | None:

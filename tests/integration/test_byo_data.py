@@ -35,3 +35,24 @@ def test_verl_and_trl_layouts_train_with_their_own_rewards(ray_cluster, tmp_path
     # per-sample function: the same samples, the same scores
     assert [r["reward"] for r in verl] == [r["reward"] for r in trl]
     assert sum(r["reward"] for r in verl) > 0  # the warm-started model answers some: scores are read, not 0.0
+    # the dict's other numbers are metrics: verl_style's "acc" is its 0/1 score as a bool
+    assert [r["reward/acc/mean"] for r in verl] == [r["reward"] for r in verl]
+    assert not any(k.endswith("/acc/mean") for k in trl[0])
+
+
+def test_a_split_of_a_folder_and_a_held_out_split_reach_the_run(ray_cluster, tmp_path):
+    """``--data FOLDER:train[:…]`` and ``--eval-data FOLDER`` (its ``test`` split) in verl's layout."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(DATA / "arith_verl.parquet")
+    (tmp_path / "d").mkdir()
+    pq.write_table(table.slice(0, 200), tmp_path / "d" / "train.parquet")
+    pq.write_table(table.slice(200), tmp_path / "d" / "test.parquet")
+    cfg = RunConfig(steps=1, eval_every=1, checkpoint_every=0)
+    req = request(
+        tmp_path / "run", data=f"{tmp_path / 'd'}:train[:64]", eval_data=str(tmp_path / "d"),
+        rewards={"reward": str(REWARDS / "verl_style.py:compute_score")}, config=cfg, steps=1,
+        workload="prompts=8,prompt_len=8,response_len=6",
+    )  # fmt: skip
+    rows = read_metrics(run(req, progress=False) / "metrics.jsonl")
+    assert any("eval/accuracy" in r for r in rows) and any(r.get("step") == 1 and "reward" in r for r in rows)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 import torch
@@ -10,8 +12,8 @@ from transformers import AutoTokenizer
 
 from flowc.errors import DataError
 from flowc.inputs import check_rows, required_columns
-from flowc.rewards import adapt, convention
-from flowc.runtime.data import Records, call_reward, tokenize_prompts
+from flowc.rewards import adapt, convention, reward_notes
+from flowc.runtime.data import Records, call_reward, score_reward, tokenize_prompts
 from flowc.tasks.arithmetic import asset_dir
 
 
@@ -43,7 +45,7 @@ def test_conventions_are_recognised_by_their_parameters():
     assert convention(plain) == convention(batched_async) == "flowc"
     assert adapt(plain) is plain
     assert required_columns(adapt(compute_score)) == ["data_source", "reward_model"]
-    assert required_columns(adapt(trl_reward)) == [] and required_columns(plain) == ["answer"]
+    assert required_columns(adapt(trl_reward)) == ["answer"] == required_columns(plain)
 
 
 def test_verl_per_sample_with_ground_truth_extra_info_and_dict_results():
@@ -116,3 +118,46 @@ def test_chat_prompts_are_checked_before_the_first_step(tmp_path, tok):
 def test_records_keep_nested_verl_columns():
     d = Records([{"prompt": "x", "reward_model": {"ground_truth": "1"}}], "mem")
     assert d.rows[0]["reward_model"]["ground_truth"] == "1"
+
+
+def test_dict_results_give_their_extra_numbers_as_batch_means():
+    def scored(data_source, solution_str, ground_truth, extra_info=None):
+        ok = solution_str == ground_truth
+        return {"score": float(ok), "acc": ok, "length": len(solution_str), "pred": solution_str}
+
+    cols = {"data_source": ["a"] * 3, "reward_model": [{"ground_truth": "4"}] * 3}
+    scores, extras = score_reward(adapt(scored), "s", ["p"] * 3, ["4", "44", "5"], cols)
+    assert scores.tolist() == [1.0, 0.0, 0.0]
+    assert extras == pytest.approx({"acc": 1 / 3, "length": 4 / 3})  # text ("pred") is left out
+    assert score_reward(plain, "p", ["p"], ["x"], {"answer": ["x"]})[1] == {}
+
+
+def test_async_per_sample_rewards_run_concurrently():
+    async def slow(data_source, solution_str, ground_truth):
+        await asyncio.sleep(0.3)
+        return float(solution_str == ground_truth)
+
+    cols = {"data_source": ["a"] * 8, "reward_model": [{"ground_truth": "1"}] * 8}
+    t = time.perf_counter()
+    got = call_reward(adapt(slow), "slow", ["p"] * 8, ["1", "2"] * 4, cols)
+    assert time.perf_counter() - t < 1.2  # 8 x 0.3 s one after another would take 2.4 s
+    assert got.tolist() == [1.0, 0.0] * 4
+
+
+def test_trl_and_async_rewards_name_the_columns_they_need():
+    def needs(prompts, completions, answer, level=1, **kwargs):
+        return [0.0] * len(completions)
+
+    async def batched(prompts, responses, answer, weight=1.0):
+        return [0.0] * len(responses)
+
+    assert required_columns(adapt(needs)) == ["answer"]
+    assert required_columns(adapt(batched)) == ["answer"]
+
+
+def test_the_recognised_convention_is_reported():
+    fns = {"a": adapt(compute_score), "b": adapt(trl_reward), "c": plain, "d": adapt(async_score)}
+    notes = reward_notes(fns, {"a": "v.py:compute_score"})
+    assert notes[0].startswith("reward a (v.py:compute_score): called as verl's per-sample compute_score")
+    assert "TRL's reward_func(prompts, completions" in notes[1]
+    assert "responses' calls awaited concurrently" in notes[2] and len(notes) == 3  # the plain one needs no note
