@@ -31,9 +31,9 @@ def _best(fn, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def matmul_gflops(n: int = 1024) -> float:
+def matmul_gflops(n: int = 1024, dtype: torch.dtype = torch.float32) -> float:
     torch.set_num_threads(1)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2 * n**3 / _best(lambda: a @ b) / 1e9
 
 
@@ -85,10 +85,12 @@ if __name__ == "__main__":
         fit_from_run(sys.argv[2:])
         raise SystemExit
     gf = matmul_gflops()
+    gf16 = matmul_gflops(dtype=torch.bfloat16)
     bw = copy_gb_s()
     busbw, lat = gloo_busbw()
     print(f"# measured by bench/calibrate_cpu.py on {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"peak_tflops: {gf / 1e3:.4f}      # fp32 1024³ matmul, one thread: {gf:.1f} GFLOP/s")
+    print(f"peak_tflops: {gf16 / 1e3:.4f}      # bf16 1024³ matmul, one thread: {gf16:.1f} GFLOP/s")
+    print(f"fp32_tflops: {gf / 1e3:.4f}      # fp32 1024³ matmul, one thread: {gf:.1f} GFLOP/s")
     print(f"mem_bw_tb_s: {bw / 1e3:.4f}      # one-thread copy (read + write): {bw:.1f} GB/s")
     print(f"intra_node_gb_s: {busbw:.3f}    # gloo all-reduce bus bandwidth, 2 processes, 64 MB")
     print(f"latency_us: {lat:.0f}            # gloo all-reduce of one float")

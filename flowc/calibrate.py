@@ -14,12 +14,14 @@ forward ops            ``matmul`` (log-probs, values, scores)
 weight sync            ``intra_node`` (``inter_node`` when it crossed nodes)
 =====================  ===============================================
 
-The fit assumes the factor-bound part of an op scales as ``1/factor``: a
-factor's new value is the old one times the time-weighted geometric mean of
-``predicted/measured`` over its ops (steps after the first, which pays
-warm-up, are used; the median per op). :func:`refit` then *re-plans* each run
-with its own decisions pinned on the calibrated cluster, so the residuals it
-reports are the planner's, not the fit's assumption.
+Each run is first *re-planned* with its own decisions pinned and the profile's current factors
+(:func:`repredict`), so the fit starts from what this version of the cost model predicts, not from
+the figures an older version recorded. A factor's new value is then the old one times the
+time-weighted geometric mean of ``predicted/measured`` over its ops (steps after the first, which
+pays warm-up, are used; the median per op). Because an op's time is not all bound by its factor
+(an engine's per-request cost, a fixed latency), one such step overshoots; the fit re-plans with
+the new factors and repeats until the factors settle (a few rounds), so the residuals it reports
+are the planner's, not the fit's assumption.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +98,9 @@ def read_run(run_dir: Path) -> tuple[Plan, list[OpTime]]:
     return plan, out
 
 
-def fit(run_dirs: list[Path]) -> Fit:
-    """Fitted factors from ``run_dirs`` (all planned for the same device type)."""
+def fit(run_dirs: list[Path], rounds: int = 4) -> Fit:
+    """Fitted factors from ``run_dirs`` (all planned for the same device type), re-planning
+    at most ``rounds`` times."""
     if not run_dirs:
         raise SpecError("flowc calibrate needs at least one run folder", fix="flowc calibrate RUN_DIR…")
     plans, ops = [], []
@@ -113,15 +116,28 @@ def fit(run_dirs: list[Path]) -> Fit:
         )
     base = plans[0].cluster_spec()
     old = base.profile.efficiency
-    scale: dict[str, float] = {}
-    for f in FACTORS:
-        mine = [o for o in ops if o.factor == f]
-        weight = sum(o.measured_s for o in mine)
-        if weight > 0:
-            scale[f] = math.exp(sum(o.measured_s * math.log(o.predicted_s / o.measured_s) for o in mine) / weight)
-    new = old.model_copy(update={f: min(max(getattr(old, f) * k, 1e-4), 1.0) for f, k in scale.items()})
-    cluster = base.model_copy(update={"efficiency": Efficiency.model_validate(new.model_dump())})
-    return Fit(cluster, scale, ops)
+    ops = [replace(o, predicted_s=p) for o, p in _predicted(ops, old)]
+    eff, pred = old, [o.predicted_s for o in ops]
+    for _ in range(rounds):
+        step: dict[str, float] = {}
+        for f in FACTORS:
+            mine = [(p, o.measured_s) for p, o in zip(pred, ops, strict=True) if o.factor == f]
+            weight = sum(m for _, m in mine)
+            if weight > 0:
+                step[f] = math.exp(sum(m * math.log(p / m) for p, m in mine) / weight)
+        eff = Efficiency.model_validate(eff.model_dump() | {f: min(max(getattr(eff, f) * k, 1e-4), 1.0) for f, k in step.items()})
+        if all(abs(math.log(k)) < 0.01 for k in step.values()):
+            break
+        pred = [p for _, p in _predicted(ops, eff)]
+    scale = {f: getattr(eff, f) / getattr(old, f) for f in FACTORS if any(o.factor == f for o in ops)}
+    return Fit(base.model_copy(update={"efficiency": eff}), scale, ops)
+
+
+def _predicted(ops: list[OpTime], efficiency: Efficiency) -> list[tuple[OpTime, float]]:
+    """Each op with its re-planned prediction under ``efficiency`` (the recorded one where the
+    re-plan has no such op)."""
+    again = {run: repredict(Path(run), efficiency) for run in dict.fromkeys(o.run for o in ops)}
+    return [(o, again[o.run].get(o.op, o.predicted_s)) for o in ops]
 
 
 def repredict(run_dir: Path, efficiency: Efficiency) -> dict[str, float]:
@@ -169,8 +185,8 @@ def report(result: Fit, held_apart: list[Path] | None = None) -> str:
             )
     for run in held_apart or []:
         _, times = read_run(run)
-        after = repredict(run, new)
-        before_err = error([(o.predicted_s, o.measured_s) for o in times])
+        before, after = repredict(run, old), repredict(run, new)
+        before_err = error([(before[o.op], o.measured_s) for o in times if o.op in before])
         after_err = error([(after[o.op], o.measured_s) for o in times if o.op in after])
         lines.append(f"held apart {run.name}: mean |log(pred/meas)| {before_err:.3f} -> {after_err:.3f}")
     return "\n".join(lines)

@@ -84,10 +84,11 @@ def check_backend_pins(pins: Pins, kind: str) -> None:
 
 
 def fit_rollout(g: FlowGraph, models: dict[str, ModelSpec], target: Target, pins: Pins) -> tuple[Pins, list[str]]:
-    """Each generating role's rollout backend, checked against its model before anything starts
+    """Each generating role's rollout backends, checked against its model before anything starts
     (vLLM's CPU build runs some attention head sizes only). A role whose backend is not pinned
-    generates with the target's first backend that runs its model, pinned here, with a line
-    saying why; a pinned backend (``--rollout``, ``--pin``) that cannot run the model is refused."""
+    keeps the planner's choice among the target's backends that run its model; when some do not,
+    the first that does is pinned here, with a line saying why. A pinned backend (``--rollout``,
+    ``--pin``) that cannot run the model is refused."""
     from flowc.runtime.backends import BACKENDS
 
     kind, extra, notes = target.kind, [], []
@@ -96,11 +97,12 @@ def fit_rollout(g: FlowGraph, models: dict[str, ModelSpec], target: Target, pins
         choices = (pinned,) if pinned else target.rollout_backends
         refusals = {b: BACKENDS[b].refuses(kind, m) for b in choices if b in BACKENDS}
         ok = [b for b in choices if not refusals.get(b)]
-        if ok and ok[0] == choices[0]:
+        if len(ok) == len(choices):
             continue
         if ok:
+            no = next(b for b in choices if refusals.get(b))
             extra.append(f"{role}.generate.backend={ok[0]}")
-            notes.append(f"{role} generates with {ok[0]}, not {choices[0]}: {choices[0]} {refusals[choices[0]]}")
+            notes.append(f"{role} generates with {ok[0]}, not {no}: {no} {refusals[no]}")
             continue
         runs = [b for b, info in BACKENDS.items() if info.role == "rollout" and info.runs_on(kind) and not info.refuses(kind, m)]
         how = f"--pin {role}.generate.backend={pinned}" if pinned else f"--rollout {choices[0]}"

@@ -78,6 +78,7 @@ class ClusterSpec(BaseModel):
             p = p.model_copy(
                 update={
                     "peak_tflops": p.peak_tflops * scale,
+                    "fp32_tflops": p.fp32_tflops * scale if p.fp32_tflops else None,
                     "mem_bw_tb_s": p.mem_bw_tb_s * scale,
                     "memory_gb": p.memory_gb * k,
                     "devices_per_node": max(p.devices_per_node // k, 1),

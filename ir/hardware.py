@@ -42,6 +42,28 @@ class Efficiency(BaseModel):
     moe_train: float = Field(1.0, gt=0, le=1)
 
 
+class RolloutCost(BaseModel):
+    """What one rollout backend costs on a device type beyond the FLOPs and bytes that the
+    cost model prices for every backend alike (docs/planner.md, "Rollout backends").
+
+    Attributes:
+        start_s: building the engine, once per run (not part of a step; ``why`` shows it).
+        request_ms: host-side work per request (scheduling, input and output processing).
+        step_ms: fixed host-side work per decode step (the scheduler, the sampler).
+        layer_overhead_us: per layer of one decode step (kernel launches, Python dispatch);
+            None: the profile's ``layer_overhead_us``.
+        decode_scale: the rate of the decode loop's matmuls and weight reads relative to
+            the profile's calibrated ``matmul`` and ``decode_bw`` (its kernels' speed).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    start_s: float = Field(0.0, ge=0)
+    request_ms: float = Field(0.0, ge=0)
+    step_ms: float = Field(0.0, ge=0)
+    layer_overhead_us: float | None = Field(None, ge=0)
+    decode_scale: float = Field(1.0, gt=0)
+
+
 class HardwareProfile(BaseModel):
     """One device type. Unknown keys are errors.
 
@@ -50,6 +72,8 @@ class HardwareProfile(BaseModel):
         aliases: other names users type (``H100``, ``H100-SXM``).
         kind: ``gpu`` or ``cpu``.
         peak_tflops: dense bf16 peak per device (TFLOP/s).
+        fp32_tflops: dense fp32 matmul rate per device (TFLOP/s), what a plan in float32 is
+            priced at; None: half the bf16 peak (GPUs: TF32 tensor cores).
         memory_gb: device memory (GB, 1e9 bytes).
         reserved_gb: memory not available to tensors (runtime context,
             allocator fragmentation, communication buffers).
@@ -76,6 +100,8 @@ class HardwareProfile(BaseModel):
             a live vLLM engine costs beyond moving them: a fixed part per sync
             and a rate (vLLM fuses, shards and, on CPU, re-packs every weight).
             0 and unset (free) where not measured.
+        rollout: per rollout backend (``vllm``, ``hf``), what it costs beyond the shared
+            model (:class:`RolloutCost`); a backend not listed costs nothing extra.
         efficiency: achieved fractions (see :class:`Efficiency`).
         sources: where each figure comes from.
     """
@@ -85,6 +111,7 @@ class HardwareProfile(BaseModel):
     aliases: tuple[str, ...] = ()
     kind: Literal["gpu", "cpu"] = "gpu"
     peak_tflops: float = Field(gt=0)
+    fp32_tflops: float | None = Field(None, gt=0)
     memory_gb: float = Field(gt=0)
     reserved_gb: float = Field(0.0, ge=0)
     mem_bw_tb_s: float = Field(gt=0)
@@ -101,8 +128,15 @@ class HardwareProfile(BaseModel):
     comm_overlap: float = Field(0.8, ge=0, le=1)
     engine_reload_ms: float = Field(0.0, ge=0)
     engine_reload_gb_s: float | None = Field(None, gt=0)
+    rollout: dict[Literal["vllm", "hf"], RolloutCost] = {}
     efficiency: Efficiency
     sources: dict[str, str] = {}
+
+    def tflops(self, dtype: str) -> float:
+        """The dense matmul rate in ``dtype`` (``float32``, ``bfloat16``)."""
+        if dtype == "float32":
+            return self.fp32_tflops or self.peak_tflops / 2
+        return self.peak_tflops
 
     @property
     def usable_bytes(self) -> float:

@@ -37,6 +37,9 @@ Phase = Literal["train", "forward", "generate"]
 PHASES: tuple[Phase, ...] = ("train", "forward", "generate")
 Backend = Literal["fsdp2", "megatron", "vllm", "hf"]
 ROLLOUT_BACKENDS: tuple[Backend, ...] = ("vllm", "hf")
+# rollout backends that decode a wave as one padded batch: every row computes until the wave's
+# longest response ends (vLLM batches continuously: a finished sequence leaves the batch)
+STATIC_BATCH_BACKENDS: frozenset[str] = frozenset({"hf"})
 ReshardMethod = Literal["in_place", "micro_dp_allgather", "full_allgather", "broadcast", "p2p"]
 DType = Literal["float32", "bfloat16"]
 

@@ -15,9 +15,9 @@ import operator
 from dataclasses import dataclass, field, make_dataclass
 
 from flowc.ir.cluster import ClusterSpec
-from flowc.ir.hardware import Efficiency
+from flowc.ir.hardware import Efficiency, RolloutCost
 from flowc.ir.models import ModelSpec
-from flowc.ir.plan import Layout, Memory
+from flowc.ir.plan import STATIC_BATCH_BACKENDS, Layout, Memory
 from flowc.passes.flops import Demand, attention_flops_per_token, forward_flops, matmul_params, train_flops, useful_train_flops
 
 GB = 1e9
@@ -51,19 +51,25 @@ class Hw:
     reload_bw: float = math.inf  # B/s of that reload
     pool_bw: float = 0.0  # B/s per device for data moving between pools (the network across nodes, else NVLink)
     controller_bw: float = 0.0  # B/s between the controller and a pool
+    rollout: tuple[tuple[str, RolloutCost], ...] = ()  # per rollout backend, beyond the shared model (hashable)
+
+    def rollout_cost(self, backend: str) -> RolloutCost:
+        """What ``backend`` costs here beyond the shared model (nothing, where not profiled)."""
+        return dict(self.rollout).get(backend) or RolloutCost()
 
     def engine_reload(self, backend: str, nbytes: float) -> float:
         """Seconds a rollout engine spends taking ``nbytes`` of synced weights in (vLLM only)."""
         return self.reload_fixed + nbytes / self.reload_bw if backend == "vllm" else 0.0
 
     @classmethod
-    def of(cls, cluster: ClusterSpec) -> Hw:
+    def of(cls, cluster: ClusterSpec, dtype: str = "bfloat16") -> Hw:
+        """The achieved rates of ``cluster``'s devices computing in ``dtype``."""
         p = cluster.profile
         intra = p.intra_node_gb_s * GB * p.efficiency.intra_node
         inter = p.inter_node_gb_s * GB / p.devices_per_node * p.efficiency.inter_node
         return cls(
             kind=p.kind,
-            peak=p.peak_tflops * 1e12,
+            peak=p.tflops(dtype) * 1e12,
             hbm=p.mem_bw_tb_s * 1e12,
             intra=intra,
             inter=inter,
@@ -82,6 +88,7 @@ class Hw:
             reload_bw=p.engine_reload_gb_s * GB if p.engine_reload_gb_s else math.inf,
             pool_bw=inter if cluster.nodes > 1 else intra,
             controller_bw=p.inter_node_gb_s * GB * p.efficiency.inter_node,
+            rollout=tuple(sorted(p.rollout.items())),
         )
 
     def link(self, group: int, stride: int = 1) -> float:
@@ -475,10 +482,27 @@ def kv_bytes_per_token_device(m: ModelSpec, lay: Layout) -> float:
     return m.kv_bytes_per_token / split / lay.pp
 
 
+def longest_of(n: float, mean: float, limit: float) -> float:
+    """Expected longest of ``n`` response lengths with mean ``mean``, cut at ``limit``: lengths
+    taken as exponential (the maximum of n is mean × H_n, H_n ≈ ln n + γ); every response runs
+    to the limit when the mean is the limit."""
+    if mean >= limit or n <= 1:
+        return min(mean, limit) if n <= 1 else limit
+    return min(limit, mean * (math.log(n) + 0.5772))
+
+
 def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: float) -> PhaseCost | None:
     """Time and memory of ``generate`` with ``lay`` when ``free_gb`` per device
     is left for this phase (after co-located roles and the generation weights
-    are counted by the caller). None when not even one sequence fits."""
+    are counted by the caller). None when not even one sequence fits.
+
+    The layout's backend decides how a wave decodes: vLLM batches continuously (a finished
+    sequence leaves the batch, so the mean response length sets the work), the HF loop
+    decodes the wave as one padded batch until its longest response ends; each backend adds
+    its own per-request, per-step and per-layer host costs and kernel speed
+    (:class:`flowc.ir.hardware.RolloutCost`)."""
+    rc = hw.rollout_cost(lay.backend)
+    static = lay.backend in STATIC_BATCH_BACKENDS
     buf = FIXED_BUFFERS_GB[hw.kind]
     kv_tok = kv_bytes_per_token_device(m, lay)
     kv_seq = (d.prompt_len + d.response_len) * kv_tok
@@ -501,20 +525,36 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
             * 2
             * m.num_layers
         )
-    # decode: R steps; each reads the weight shard and the KV cache (memory-bound) or is compute-bound
-    steps = d.response_len
-    active = b * d.mean_response_len / d.response_len  # mean active sequences over the steps
-    ctx = d.prompt_len + d.mean_response_len / 2.0
+    # decode: one step per token of the longest response (continuous batching: of the longest
+    # still admitted); each reads the weight shard and the KV cache (memory-bound) or is compute-bound
+    if static:  # a padded batch: every row computes every step until the wave's longest ends
+        steps = longest_of(b, d.mean_response_len, d.response_len)
+        active = float(b)
+        ctx = d.prompt_len + steps / 2.0
+    else:
+        steps = d.response_len
+        active = b * d.mean_response_len / d.response_len  # mean active sequences over the steps
+        ctx = d.prompt_len + d.mean_response_len / 2.0
     # the stages of a pipeline run one after the other within a step
-    mem_t = lay.pp * (w_dev + active * ctx * kv_tok) / (hw.hbm * hw.eff.decode_bw)
-    flops_t = active * (mm + attention_flops_per_token(m, ctx) / lay.tp) / (hw.peak * hw.eff.matmul)
-    floor = m.num_layers * hw.layer_overhead + (2 * m.num_layers * hw.latency if lay.tp > 1 else 0.0) + (lay.pp - 1) * hw.latency
+    mem_t = lay.pp * (w_dev + active * ctx * kv_tok) / (hw.hbm * hw.eff.decode_bw * rc.decode_scale)
+    flops_t = active * (mm + attention_flops_per_token(m, ctx) / lay.tp) / (hw.peak * hw.eff.matmul * rc.decode_scale)
+    per_layer = hw.layer_overhead if rc.layer_overhead_us is None else rc.layer_overhead_us * 1e-6
+    floor = m.num_layers * per_layer + rc.step_ms * 1e-3
+    floor += (2 * m.num_layers * hw.latency if lay.tp > 1 else 0.0) + (lay.pp - 1) * hw.latency
     if m.is_moe and lay.ep > 1:
         floor += 2 * m.moe_layers * hw.latency
     step = max(mem_t, flops_t) + floor
     decode = steps * step
-    total = waves * (prefill + decode)
+    requests = seqs * rc.request_ms * 1e-3  # host work per request, which the engine does not hide
+    total = waves * (prefill + decode) + requests
     kv_used = min(b, conc) * kv_seq / GB
     mem = _memory(weights=w_dev / GB, kv_cache=kv_used, activations=b * m.vocab_size * 4.0 / lay.tp / GB, buffers=buf)
-    detail = {"prefill": waves * prefill, "decode": waves * decode, "step_s": step, "concurrency": float(conc)}
+    detail = {
+        "prefill": waves * prefill,
+        "decode": waves * decode,
+        "requests": requests,
+        "step_s": step,
+        "decode_steps": float(steps),
+        "concurrency": float(conc),
+    }
     return PhaseCost(total, mem, 0.0, 0.0, waves, detail)

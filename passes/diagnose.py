@@ -48,9 +48,9 @@ class _Budget:
 
 def tables(g: FlowGraph, ctx: PlanContext, cluster: ClusterSpec, workload: WorkloadSpec) -> tuple[Hw, OptionTable, PoolTable]:
     """The cost tables of the context's units for ``cluster`` and ``workload``."""
-    hw = Hw.of(cluster)
+    hw = Hw.of(cluster, ctx.target.dtype)
     dem = demands(g, workload)
-    table = OptionTable(ctx.units, ctx.models, dem, workload, hw, ctx.pins, ctx.target.rollout_backends[0])
+    table = OptionTable(ctx.units, ctx.models, dem, workload, hw, ctx.pins, ctx.target.rollout_backends)
     return hw, table, PoolTable(table)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Alternative
+from flowc.passes.costs import PhaseCost, generate_cost
 from flowc.passes.manager import PlanContext
-from flowc.passes.options import UnitOption
+from flowc.passes.options import OptionTable, UnitOption
+from flowc.passes.pools import GenChoice
 from flowc.passes.search import Candidate, SearchResult
 from flowc.passes.units import generation_rounds
 
@@ -21,7 +23,7 @@ def describe(c: Candidate) -> str:
     for ch in c.choices:
         for u, gc in ch.gens.items():
             rs = f" via {gc.reshard.method}" if gc.reshard else ""
-            gens.append(f"{u} tp{gc.layout.tp}{f' pp{gc.layout.pp}' if gc.layout.pp > 1 else ''}{rs}")
+            gens.append(f"{u} {gc.layout.backend} tp{gc.layout.tp}{f' pp{gc.layout.pp}' if gc.layout.pp > 1 else ''}{rs}")
     return pools + (f" ({', '.join(gens)})" if gens else "")
 
 
@@ -114,6 +116,49 @@ def _oom_alternative(role: str, unit: str, o: UnitOption, cap: float) -> Alterna
     )
 
 
+def _gen_parts(costs: list[PhaseCost]) -> str:
+    """``prefill 0.01 s, 24 decode steps 0.09 s, 64 requests' host work 0.05 s``."""
+    pre = sum(c.detail.get("prefill", 0.0) for c in costs)
+    dec = sum(c.detail.get("decode", 0.0) for c in costs)
+    steps = sum(c.detail.get("decode_steps", 0.0) * c.waves for c in costs)
+    req = sum(c.detail.get("requests", 0.0) for c in costs)
+    parts = [f"prefill {pre:.3g} s", f"{steps:.0f} decode steps {dec:.3g} s"]
+    if req > 0:
+        parts.append(f"per-request host work {req:.3g} s")
+    return ", ".join(parts)
+
+
+def rollout_backend_line(table: OptionTable, unit: str, g: GenChoice) -> str | None:
+    """Why ``unit`` generates with its backend: its predicted time against each other rollout
+    backend on the same layout and memory (None when only one backend was offered)."""
+    role = table.units[unit].role
+    chosen = g.layout.backend
+    mine = list(g.op_costs.values())
+    start = table.hw.rollout_cost(chosen).start_s
+    head = f"{unit} generates with {chosen}: {sum(c.time for c in mine):.3g} s per step ({_gen_parts(mine)})"
+    if start > 0:
+        head += f"; its engine starts in {start:.1f} s, once per run"
+    if table.pins.phase(role, "generate").backend:
+        return head + " (pinned)."
+    others = []
+    for b in table.rollout_backends:
+        if b == chosen:
+            continue
+        lay = g.layout.model_copy(update={"backend": b})
+        if not table.pins.allows(role, "generate", lay):
+            others.append(f"{b} does not run {lay.short()} here")
+            continue
+        costs = [generate_cost(table.models[role], lay, table.demand[op], table.hw, free_gb=g.free_gb) for op in g.op_costs]
+        if any(c is None for c in costs):
+            others.append(f"{b} leaves no room for one sequence's KV cache")
+            continue
+        theirs = [c for c in costs if c is not None]
+        others.append(f"{b} would take {sum(c.time for c in theirs):.3g} s ({_gen_parts(theirs)})")
+    if not others:
+        return None
+    return head + "; " + "; ".join(others) + "."
+
+
 def dynamic_sampling_notes(g: FlowGraph) -> list[str]:
     """One sentence per ``filter`` (dynamic sampling): what it adds to the step."""
     rounds = generation_rounds(g)
@@ -181,6 +226,8 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
                     )
                     + "."
                 )
+                if line := rollout_backend_line(table, u, g):
+                    lines.append(line)
                 continue
             o = ch.options[u]
             lay = o.layouts.get("train") or o.layouts["forward"]

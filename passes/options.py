@@ -130,10 +130,10 @@ class OptionTable:
         workload: WorkloadSpec,
         hw: Hw,
         pins: Pins,
-        rollout_backend: str,
+        rollout_backends: tuple[str, ...],
     ):
         self.units = {u.name: u for u in units}
-        self.rollout_backend = rollout_backend  # the target's first choice, unless a pin says otherwise
+        self.rollout_backends = tuple(rollout_backends)  # the planner prices each, unless a pin names one
         self.models = models
         self.demand = demand
         self.workload = workload
@@ -225,7 +225,7 @@ class OptionTable:
         :meth:`generation_layouts` found nothing for), named."""
         m = self.models[u.role]
         pin = self.pins.phase(u.role, "generate")
-        backend = pin.backend or self.rollout_backend
+        backend = pin.backend or self.rollout_backends[0]
         tp, pp = pin.tp or 1, pin.pp or 1
         if pin.tp is not None and (why := tp_refusal(m, d, tp, self.hw, across_nodes=True)):
             return why
@@ -244,24 +244,26 @@ class OptionTable:
         return "no layout the pins allow fits"
 
     def generation_layouts(self, u: Unit, d: int) -> list[Layout]:
-        """Generation layouts whose weight shard fits a device."""
+        """Generation layouts whose weight shard fits a device, with each rollout backend the
+        target offers (or the one pinned): the cost model prices them apart."""
         m = self.models[u.role]
         pin = self.pins.phase(u.role, "generate")
-        backend = pin.backend or self.rollout_backend
         out: list[Layout] = []
-        # within a node first; over nodes only for models whose weights need more than a node's tp group
-        tps = tp_choices(m, d, self.hw)
-        if pin.tp is not None or generation_weights_gb(m, _layout(tp=max(tps or [1]), backend=backend)) > 0.5 * self.capacity_gb:
-            tps = tp_choices(m, d, self.hw, across_nodes=True)
-        for tp in tps:
-            for pp in _powers_dividing(d // tp, 16):
-                eps = [1, tp] if (m.is_moe and tp > 1) else [1]
-                for ep in eps:
-                    lay = _layout(dp=d // tp // pp, tp=tp, pp=pp, ep=ep, backend=backend)
-                    if pp > 1 and generation_weights_gb(m, lay.model_copy(update={"pp": 1})) < 0.5 * self.capacity_gb:
-                        continue  # pipeline generation only for models too large for one tp group
-                    if generation_weights_gb(m, lay) < self.capacity_gb and self.pins.allows(u.role, "generate", lay):
-                        out.append(lay)
+        for backend in (pin.backend,) if pin.backend else self.rollout_backends:
+            # within a node first; over nodes only for models whose weights need more than a node's tp group
+            tps = tp_choices(m, d, self.hw)
+            widest = generation_weights_gb(m, _layout(tp=max(tps or [1]), backend=backend))
+            if pin.tp is not None or widest > 0.5 * self.capacity_gb:
+                tps = tp_choices(m, d, self.hw, across_nodes=True)
+            for tp in tps:
+                for pp in _powers_dividing(d // tp, 16):
+                    eps = [1, tp] if (m.is_moe and tp > 1) else [1]
+                    for ep in eps:
+                        lay = _layout(dp=d // tp // pp, tp=tp, pp=pp, ep=ep, backend=backend)
+                        if pp > 1 and generation_weights_gb(m, lay.model_copy(update={"pp": 1})) < 0.5 * self.capacity_gb:
+                            continue  # pipeline generation only for models too large for one tp group
+                        if generation_weights_gb(m, lay) < self.capacity_gb and self.pins.allows(u.role, "generate", lay):
+                            out.append(lay)
         return out
 
     # -------------------------------------------------------------- options

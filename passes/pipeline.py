@@ -48,8 +48,8 @@ def placement_units(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
 
 
 def cost_tables(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
-    ctx.hw = Hw.of(ctx.cluster)
-    ctx.options = OptionTable(ctx.units, ctx.models, ctx.demands, ctx.workload, ctx.hw, ctx.pins, ctx.target.rollout_backends[0])
+    ctx.hw = Hw.of(ctx.cluster, ctx.target.dtype)
+    ctx.options = OptionTable(ctx.units, ctx.models, ctx.demands, ctx.workload, ctx.hw, ctx.pins, ctx.target.rollout_backends)
     ctx.pools = PoolTable(ctx.options)
     ctx.ops = op_specs(g, ctx.unit_of_op, {u.name: 0 for u in ctx.units}, ctx.env)
     return g

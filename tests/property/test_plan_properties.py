@@ -211,7 +211,7 @@ def test_option_pruning_matches_pricing_every_layout(flow, model, cluster, workl
     g = graph(flow)
     roles = {r: model for r in g.roles if g.roles[r].kind != "reward"}
     units = [u for u in units_of(g) if not u.generates and u.role in roles]
-    table = OptionTable(units_of(g), roles, demands(g, workload), workload, Hw.of(cluster), Pins(), "vllm")
+    table = OptionTable(units_of(g), roles, demands(g, workload), workload, Hw.of(cluster), Pins(), ("vllm",))
     u = data.draw(st.sampled_from(units))
     d = data.draw(st.sampled_from(divisors(cluster.world_size)))
     got = table.options(u.name, d)

@@ -85,10 +85,10 @@ def test_unpinned_rollout_generates_with_hf_and_says_why(tmp_path):
     plan = _compile(g, src, None)
     assert plan.phase("actor", "generate").layout.backend == "hf"
     assert "head_dim is 16" in plan.why[0] and plan.why[0].startswith("actor generates with hf, not vllm")
-    # a head size vLLM runs keeps vLLM, with nothing to say
+    # a head size vLLM runs leaves the planner both backends to choose from, with nothing to say
     ok = _model(tmp_path, 32)
     assert fit_rollout(g, {"actor": ModelSpec.resolve(ok)}, target, parse_pins([])) == (parse_pins([]), [])
-    assert _compile(g, ok, None).phase("actor", "generate").layout.backend == "vllm"
+    assert _compile(g, ok, "vllm").phase("actor", "generate").layout.backend == "vllm"
 
 
 def test_pinned_vllm_is_refused_before_anything_starts(tmp_path):
