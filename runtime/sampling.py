@@ -101,7 +101,7 @@ def sample(
     mask = prompt_mask.long()
     out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
     cache = cache_of(out)
-    logits = out.logits[:, -1]
+    logits = out.logits[:, -1].float()  # sampled in fp32 whatever the model computes in
     next_pos = mask.sum(-1, keepdim=True)
     dev = prompt_ids.device
     ids = torch.full((n, max_tokens), pad_id, dtype=torch.long, device=dev)
@@ -124,6 +124,6 @@ def sample(
             input_ids=ids[:, t : t + 1], attention_mask=mask, position_ids=next_pos, use_cache=True, **{cache_kwarg(model): cache}
         )
         cache = cache_of(out)
-        logits = out.logits[:, -1]
+        logits = out.logits[:, -1].float()  # sampled in fp32 whatever the model computes in
         next_pos = next_pos + 1
     return Sampled(ids, resp_mask, lps)

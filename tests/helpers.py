@@ -95,3 +95,19 @@ def request(tmp_path: Path, flow: str = "grpo", **kw):
     )
     base.update(kw)
     return RunRequest(**base)
+
+
+def random_rollout(n: int = 8, seed: int = 0):
+    """A seeded random rollout of ``n`` rows (6 prompt and 4 response tokens of the tiny model's
+    vocabulary; every other row's last response token masked out) and ``n`` advantages."""
+    import torch
+
+    from flowc.ir.functional import Rollout
+
+    g = torch.Generator().manual_seed(seed)
+    p, r = 6, 4
+    ids = torch.randint(3, 16, (n, p), generator=g)
+    rids = torch.randint(3, 16, (n, r), generator=g)
+    rmask = torch.ones(n, r, dtype=torch.bool)
+    rmask[::2, 3] = False
+    return Rollout(ids, torch.ones(n, p, dtype=torch.bool), rids, rmask, torch.zeros(n, r)), torch.randn(n, generator=g)

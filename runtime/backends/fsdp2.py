@@ -44,16 +44,19 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return list(trunk.layers)
 
 
-def parallelize(model: nn.Module, *, layout: Layout) -> nn.Module:
+def parallelize(model: nn.Module, *, layout: Layout, compute: torch.dtype | None = None) -> nn.Module:
     """FSDP2 over the pool's data-parallel world, in this order: each decoder layer,
     then the root (parameters offloaded to the host when the layout says so, on GPUs).
-    Replicated layouts and one-rank pools are left whole."""
+    Replicated layouts and one-rank pools are left whole. ``compute``: the dtype fp32
+    parameters are gathered and computed in (gradients are reduced in fp32)."""
     size, _ = world()
     if size == 1 or not layout.fsdp:
         return model
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kw: dict[str, Any] = {}
+    if compute is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     if layout.offload_params and torch.cuda.is_available():
         kw["offload_policy"] = CPUOffloadPolicy()
     for layer in _layers(model):
@@ -68,12 +71,19 @@ class Fsdp2Trainer:
     def __init__(self, init: EngineInit) -> None:
         torch.manual_seed(init.seed)
         self.init = init
+        # mixed precision: a trained role keeps fp32 parameters (Adam's updates are too small for
+        # bf16 weights) and computes in the plan's dtype under autocast; a frozen role, or a LoRA
+        # role's frozen base, is held in the plan's dtype itself
+        lora_asked = init.optim is not None and init.lora is not None and init.lora.enabled
+        low = init.torch_dtype != torch.float32
+        self.compute = init.torch_dtype if low else None
+        load_dtype = torch.float32 if (low and init.optim is not None and not lora_asked) else init.torch_dtype
         self.lm_head = init.kind in LM_KINDS
         if self.lm_head:
-            model: nn.Module = load_causal_lm(init.source, dtype=init.torch_dtype)
+            model: nn.Module = load_causal_lm(init.source, dtype=load_dtype)
             lm = model
         else:  # a critic or reward model: the trunk, and the checkpoint's score head when it has one
-            model = load_value_model(init.source, dtype=init.torch_dtype, scores=init.kind == RoleKind.REWARD_MODEL)
+            model = load_value_model(init.source, dtype=load_dtype, scores=init.kind == RoleKind.REWARD_MODEL)
             lm = model.trunk
         self.device = compute_device()
         # LoRA (a trained role the plan gives adapters): peft's layers in the decoder, the rest frozen
@@ -85,7 +95,7 @@ class Fsdp2Trainer:
             lm.gradient_checkpointing_enable()
             if self.lora is not None and hasattr(lm, "enable_input_require_grads"):
                 lm.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
-        self.model = parallelize(model, layout=init.layout)
+        self.model = parallelize(model, layout=init.layout, compute=self.compute if load_dtype == torch.float32 else None)
         self.is_output = True  # no model parallelism: every rank answers for its own rows
         self.last_received = 0.0
         self.opt: torch.optim.Optimizer | None = None
@@ -106,9 +116,10 @@ class Fsdp2Trainer:
 
     def _score(self, r: Rollout, with_entropy: bool) -> Any:
         args = (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
-        if self.lm_head:
-            return response_logprobs(self.model, *args, with_entropy=with_entropy)
-        return response_values(self.model, *args, at_tokens=self.init.kind == RoleKind.REWARD_MODEL)
+        with torch.autocast(self.device.type, dtype=self.compute or torch.float32, enabled=self.compute is not None):
+            if self.lm_head:
+                return response_logprobs(self.model, *args, with_entropy=with_entropy)
+            return response_values(self.model, *args, at_tokens=self.init.kind == RoleKind.REWARD_MODEL)
 
     def run(self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool) -> list[dict[str, Any]]:
         out = []
@@ -168,20 +179,21 @@ class Fsdp2Trainer:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's parameters under HF names; with LoRA, the adapters merged into the base
         weights, so a rollout engine runs exactly the trained model (docs/backends.md)."""
-        params, self.last_received = self.full_params()
+        params, self.last_received = self.full_params(self.compute)  # the plan's dtype: what it priced the sync in
         yield from (merge_adapters(params, self.lora) if self.lora is not None else params.items())
 
-    def full_params(self) -> tuple[dict[str, torch.Tensor], float]:
-        """Every parameter whole, and the bytes this rank received to get them.
+    def full_params(self, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], float]:
+        """Every parameter whole (in ``dtype``, default their own), and the bytes this rank
+        received to get them.
 
         Sharded (FSDP2) parameters are gathered in one collective over a flat
         buffer of every local shard (not one call per tensor); replicated
         parameters are already whole."""
         named = list(self.model.named_parameters())
         if not any(hasattr(p, "to_local") for _, p in named):
-            return {n: p.detach() for n, p in named}, 0.0
+            return {n: p.detach().to(dtype or p.dtype) for n, p in named}, 0.0
         size, _ = world()
-        flat = torch.cat([p.to_local().detach().reshape(-1) for _, p in named])
+        flat = torch.cat([p.to_local().detach().reshape(-1).to(dtype or p.dtype) for _, p in named])
         counts = [torch.zeros(1, dtype=torch.long, device=flat.device) for _ in range(size)]
         dist.all_gather(counts, torch.tensor([flat.numel()], device=flat.device))
         width = max(int(c) for c in counts)

@@ -18,7 +18,7 @@ import ray
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import request
+from helpers import random_rollout, request
 
 from flowc.ir.functional import Rollout
 from flowc.ir.lora import LoraConfig, adapter_params
@@ -36,14 +36,7 @@ R8 = LoraConfig(rank=8, alpha=16)
 TOL = 1e-4  # fp32; x·W + s·(x·A)·B against x·(W + s·B·A): measured ≤ 1.2e-5
 
 
-def batch(n: int = 8, seed: int = 0) -> tuple[Rollout, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    p, r = 6, 4
-    ids = torch.randint(3, 16, (n, p), generator=g)
-    rids = torch.randint(3, 16, (n, r), generator=g)
-    rmask = torch.ones(n, r, dtype=torch.bool)
-    rmask[::2, 3] = False
-    return Rollout(ids, torch.ones(n, p, dtype=torch.bool), rids, rmask, torch.zeros(n, r)), torch.randn(n, generator=g)
+batch = random_rollout
 
 
 def trainer(*, lr: float = 1e-2, lora: LoraConfig | None = R8, kind: str = "policy", layout: Layout | None = None):
