@@ -97,6 +97,17 @@ def batch_stats(prefix: str, values: list[float], *, limit: int | None = None) -
     return {k: float(v) for k, v in out.items()}
 
 
+def covered_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of ``[lo, hi]`` that the union of ``(start, seconds)`` spans covers."""
+    total, end = 0.0, lo
+    for start, sec in sorted(spans):
+        a, b = max(start, end), min(start + sec, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
 def _valid(x: Any, lengths: list[int] | None) -> list[float]:
     """The values of a per-row ([B]) or per-token ([B, R]) tensor, a row's tokens cut at its response length."""
     if not isinstance(x, torch.Tensor):
@@ -138,7 +149,7 @@ class Controller:
         self.history: list[dict[str, Any]] = []
         self.placement: dict[str, list[dict[str, Any]]] = {}
         # what a step's filter rounds add to its metrics (extra device seconds, tokens); reset per step
-        self._extra: dict[str, Any] = {"seconds": {}, "tokens": 0, "metrics": {}}
+        self._extra: dict[str, Any] = {"seconds": {}, "tokens": 0, "metrics": {}, "busy": []}
         self._handlers: dict[Op, Callable[[Step, Node, Iteration], None]] = {
             Op.INPUT: self._input,
             Op.GENERATE: self._generate_step,
@@ -261,7 +272,8 @@ class Controller:
     # -------------------------------------------------------------- a step
     def run_step(self, step: int) -> dict[str, Any]:
         t_step = time.perf_counter()
-        self._extra = {"seconds": {}, "tokens": 0, "metrics": {}}
+        # busy: (start, seconds) of the work the step waits on — the workers' ops, the reward calls
+        self._extra = {"seconds": {}, "tokens": 0, "metrics": {}, "busy": [], "t0": time.time()}
         it = self._iteration(step, 0)
         for st in self.p.steps:
             if st.op == Op.FILTER:
@@ -321,7 +333,9 @@ class Controller:
             f"step {it.step}{f' (filter round {it.round})' if it.round else ''}: {len(texts)} responses to "
             f"{len(it.prompts)} prompts ({self.s.data.rows_named(it.rows)})"
         )
+        start, t0 = time.time(), time.perf_counter()
         scores, it.reward_metrics[st.node] = self.rewards.score_with_metrics(node.role, ptext, texts, cols, where=where)
+        self._extra["busy"].append((start, time.perf_counter() - t0))  # the user's reward code: not the controller's
         it.env[st.node] = Local(scores)
 
     def _compute(self, st: Step, node: Node, it: Iteration) -> None:
@@ -359,6 +373,7 @@ class Controller:
                     got = self._wait(s, again.metas[s.node], s.op)
                     sec = self._extra["seconds"]
                     sec[s.node] = sec.get(s.node, 0.0) + max(x.get("seconds", 0.0) for x in got)
+                    self._extra["busy"] += [(x["start"], x["seconds"]) for x in got if "start" in x]
                     if s.op == Op.GENERATE:
                         self._extra["tokens"] += sum(x["tokens"] for x in got)
             rollout, scores = self._arg(again.env, node.args[0]), self._arg(again.env, node.args[1])
@@ -448,6 +463,7 @@ class Controller:
         exported = train.get(
             train.call("export_weights", st.engine, st.args["bucket_bytes"]), f"weight sync {st.engine.role} (gather)"
         )
+        self._extra["busy"] += [(meta["start"], meta["seconds"]) for _, meta in exported]
         return gen.call("import_weights", st.args["to"], exported[0][0])
 
     # -------------------------------------------------------------- metrics
@@ -464,6 +480,7 @@ class Controller:
                 continue
             got = self._wait(st, it.metas[st.node], st.op)
             measured[st.node] = max(x.get("seconds", 0.0) for x in got)
+            self._extra["busy"] += [(x["start"], x["seconds"]) for x in got if "start" in x]
             used = [x["device_gb"] for x in got if "device_gb" in x]
             if used:
                 m["device_gb"] = max([m.get("device_gb", 0.0), *used])  # GPU memory in use after an op, worst device
@@ -533,6 +550,11 @@ class Controller:
         m.update({f"timing_s/{op}": sec for op, sec in measured.items()})
         m["timing_s/step"] = wall
         m["perf/throughput"] = m["tokens_per_s"]
+        # the controller's overhead: the step's wall time that no worker op or reward call covers
+        # (Ray round trips, the object store, tokenising, the controller's own tensor work)
+        covered = covered_seconds(self._extra["busy"], self._extra["t0"], self._extra["t0"] + wall)
+        m["perf/controller_s"] = max(wall - covered, 0.0)
+        m["perf/controller_fraction"] = m["perf/controller_s"] / wall if wall > 0 else 0.0
         return m
 
     def _response_limit(self, st: Step) -> int:

@@ -106,8 +106,9 @@ class Worker:
 
     def run(self, key: EngineKey, op: Op, inputs: dict[str, list[Piece]], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """Run ``op`` on engine ``key`` over this rank's rows; returns the bulk result
-        (kept in the object store) and small metadata."""
-        t0 = time.perf_counter()
+        (kept in the object store) and small metadata (``start``: the wall-clock time it began,
+        ``seconds``: how long it took; the controller's overhead is the step outside them)."""
+        start, t0 = time.time(), time.perf_counter()
         try:
             handler = self._ops[Op(op)]
         except (KeyError, ValueError):
@@ -115,6 +116,7 @@ class Worker:
         values = {name: self._fetch(p) for name, p in inputs.items()}
         bulk, meta = handler(self.engines[key], values, args)
         meta["seconds"] = time.perf_counter() - t0
+        meta["start"] = start
         if torch.cuda.is_available():  # the whole device's use (vLLM's own allocations included)
             free, total = torch.cuda.mem_get_info()
             meta["device_gb"] = (total - free) / 1e9
@@ -150,29 +152,29 @@ class Worker:
     def sync_local(self, src: EngineKey, dst: EngineKey) -> dict[str, float]:
         """Co-located weight sync: the trained weights stream out of the training
         engine (a collective: every rank iterates) into this rank's rollout engine."""
-        t0 = time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()
         eng = self.engines[src]
         stream = eng.weights()
         copied = self.engines[dst].load(stream) if dst in self.engines else 0.0
         _drain(stream)  # a rank without a rollout engine still takes part in the collectives
-        return {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0}
+        return {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0, "start": start}
 
     def export_weights(self, src: EngineKey, bucket_bytes: float) -> tuple[list[Any], dict[str, float]]:
         """Separate pools: the weights stream out of the training engine (every
         rank takes part); rank 0 puts them in the object store in buckets."""
-        t0 = time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()
         eng = self.engines[src]
         stream = eng.weights()
         refs = [ray.put(bucket) for bucket in _buckets(stream, bucket_bytes)] if self.rank == 0 else []
         _drain(stream)  # the other ranks take part in the collectives only
-        return refs, {"bytes": eng.last_received, "seconds": time.perf_counter() - t0}
+        return refs, {"bytes": eng.last_received, "seconds": time.perf_counter() - t0, "start": start}
 
     def import_weights(self, dst: EngineKey, refs: list[Any]) -> dict[str, float]:
         """Separate pools: the buckets, fetched one after another, feed one reload."""
-        t0 = time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()
         stream = (pair for ref in refs for pair in ray.get(ref, timeout=self.timeout).items())
         received = self.engines[dst].load(stream)
-        return {"bytes": received, "buckets": len(refs), "seconds": time.perf_counter() - t0}
+        return {"bytes": received, "buckets": len(refs), "seconds": time.perf_counter() - t0, "start": start}
 
     def rollout_logprobs(self, key: EngineKey, inputs: dict[str, list[Piece]]) -> Any:
         return self.engines[key].logprobs(self._fetch(inputs["rollout"]))

@@ -1,7 +1,7 @@
 """flowc vs TRL's GRPOTrainer on one machine, side by side in one invocation.
 
     bash bench/grpo_vs_trl/setup.sh             # TRL in its own environment (bench/.venv-trl)
-    python bench/grpo_vs_trl/run.py [--rounds 3] [--steps 12] [--sizes tiny,mid] [--rollout vllm|hf]
+    python bench/grpo_vs_trl/run.py [--rounds 3] [--steps 12] [--sizes tiny,mid] [--rollout vllm|hf] [--bf16]
 
 Both run GRPO without a reference model on the built-in arithmetic task with
 the same model, batch (8 prompts × 8 samples), response limit (24 tokens),
@@ -10,6 +10,9 @@ machine noise hits both. Reported per system: median seconds per step (the
 first two steps of each run are warm-up and dropped), generated tokens/s
 (response tokens / step time), peak resident memory of the whole process tree
 (Ray's processes included for flowc), and the ratio flowc/TRL.
+
+With ``--bf16`` each system also runs in mixed precision (fp32 master weights, bf16 matmuls:
+flowc's ``dtype: bfloat16``, TRL's ``bf16=True``) as a second row, in the same alternation.
 
 Sizes: ``tiny`` is the shipped 0.5M-parameter model; ``mid`` is a 34M-parameter
 Qwen2 (hidden 512, 8 layers) initialised at random from the same tokenizer,
@@ -97,9 +100,10 @@ def launch(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedPro
     return r, peak[0]
 
 
-def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None = None) -> dict:
+def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None = None, bf16: bool = False) -> dict:
     cfg = work / "flowc.yaml"
-    cfg.write_text(f"eval_every: 0\ncheckpoint_every: 0\ndefault_optim: {{lr: {lr}}}\n")
+    dtype = "bfloat16" if bf16 else "float32"
+    cfg.write_text(f"eval_every: 0\ncheckpoint_every: 0\ndtype: {dtype}\ndefault_optim: {{lr: {lr}}}\n")
     out = work / f"flowc-{time.time_ns()}"
     cmd = [
         sys.executable,
@@ -124,12 +128,15 @@ def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step_s"' in x][WARMUP:]
     step = statistics.median(r["step_s"] for r in rows)
     tokens = statistics.median(r["gen_tokens"] / r["step_s"] for r in rows)
-    return {"step_s": step, "tokens_per_s": tokens, "peak_gb": peak}
+    controller = statistics.median(r.get("perf/controller_fraction", float("nan")) for r in rows)
+    backend = json.loads((out / "plan.json").read_text())["roles"]["actor"]["phases"]["generate"]["layout"]["backend"]
+    return {"step_s": step, "tokens_per_s": tokens, "peak_gb": peak, "controller": controller, "backend": backend}
 
 
-def run_trl(model: str, steps: int, lr: float, work: Path) -> dict:
+def run_trl(model: str, steps: int, lr: float, work: Path, bf16: bool = False) -> dict:
     out = work / f"trl-{time.time_ns()}.json"
     cmd = [str(TRL_PY), str(HERE / "trl_grpo.py"), "--model", model, "--steps", str(steps), "--lr", str(lr), "--out", str(out)]
+    cmd += ["--bf16"] if bf16 else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     _, peak = launch(cmd, env)
     d = json.loads(out.read_text())
@@ -150,45 +157,56 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--sizes", default="tiny,mid")
     ap.add_argument("--rollout", default=None, help="flowc's generation backend (default: the planner's choice)")
+    ap.add_argument("--bf16", action="store_true", help="also run each system in bf16 mixed precision (a second row)")
     args = ap.parse_args()
     if not TRL_PY.exists():
         sys.exit("TRL's environment is missing: run bash bench/grpo_vs_trl/setup.sh first")
     cache = ROOT / "bench" / ".cache"
     cache.mkdir(exist_ok=True)
-    results: dict[str, dict[str, list[dict]]] = {}
+    precisions = ("fp32", "bf16") if args.bf16 else ("fp32",)
+    results: dict[str, dict[tuple[str, str], list[dict]]] = {}
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         for size in args.sizes.split(","):
             model = model_dir(size, cache)
-            results[size] = {"flowc": [], "trl": []}
+            results[size] = {(s, p): [] for p in precisions for s in ("flowc", "trl")}
             for r in range(args.rounds):
-                results[size]["flowc"].append(run_flowc(model, args.steps, args.lr, work, args.rollout))
-                results[size]["trl"].append(run_trl(model, args.steps, args.lr, work))
-                print(f"{size} round {r + 1}: flowc {results[size]['flowc'][-1]}  trl {results[size]['trl'][-1]}", flush=True)
+                for prec in precisions:
+                    bf16 = prec == "bf16"
+                    results[size]["flowc", prec].append(run_flowc(model, args.steps, args.lr, work, args.rollout, bf16))
+                    results[size]["trl", prec].append(run_trl(model, args.steps, args.lr, work, bf16))
+                    print(
+                        f"{size} {prec} round {r + 1}: flowc {results[size]['flowc', prec][-1]}  trl {results[size]['trl', prec][-1]}",
+                        flush=True,
+                    )
     print()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; {args.rounds} alternating rounds of {args.steps} steps (first {WARMUP} dropped), medians"
     )
     print()
     print(
-        "| size | system | s/step | samples/s | generated tokens/s | mean response | peak memory | flowc/TRL (samples/s) | flowc/TRL (tokens/s) |"
+        "| size | precision | system | s/step | samples/s | generated tokens/s | mean response | peak memory | controller share | flowc/TRL (samples/s) | flowc/TRL (tokens/s) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size, res in results.items():
-        med = {s: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for s, runs in res.items()}
-        samples = {s: 64 / m["step_s"] for s, m in med.items()}
-        for s in ("flowc", "trl"):
-            m = med[s]
-            length = m["tokens_per_s"] * m["step_s"] / 64
-            cells = (
-                (f"{samples['flowc'] / samples['trl']:.2f}×", f"{med['flowc']['tokens_per_s'] / med['trl']['tokens_per_s']:.2f}×")
-                if s == "flowc"
-                else ("", "")
-            )
-            name = "flowc" if s == "flowc" else "TRL 1.16"
-            print(
-                f"| {size} | {name} | {m['step_s']:.3f} | {samples[s]:.0f} | {m['tokens_per_s']:.0f} | {length:.1f} | {m['peak_gb']:.2f} GB | {cells[0]} | {cells[1]} |"
-            )
+        med = {
+            k: {f: statistics.median(x[f] for x in runs) for f in ("step_s", "tokens_per_s", "peak_gb")}
+            for k, runs in res.items()
+        }
+        for prec in precisions:
+            fl, tr = med["flowc", prec], med["trl", prec]
+            for s, m in (("flowc", fl), ("trl", tr)):
+                length = m["tokens_per_s"] * m["step_s"] / 64
+                ratios = ("", "")
+                name, ctl = "TRL 1.16", ""
+                if s == "flowc":
+                    ratios = (f"{tr['step_s'] / fl['step_s']:.2f}×", f"{fl['tokens_per_s'] / tr['tokens_per_s']:.2f}×")
+                    backends = "/".join(sorted({x["backend"] for x in res["flowc", prec]}))
+                    name = f"flowc ({backends})"
+                    ctl = f"{statistics.median(x['controller'] for x in res['flowc', prec]):.0%}"
+                print(
+                    f"| {size} | {prec} | {name} | {m['step_s']:.3f} | {64 / m['step_s']:.0f} | {m['tokens_per_s']:.0f} | {length:.1f} | {m['peak_gb']:.2f} GB | {ctl} | {ratios[0]} | {ratios[1]} |"
+                )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """TRL's side of the benchmark (runs in bench/.venv-trl, where TRL is installed).
 
-    python trl_grpo.py --model DIR --steps K --lr LR --out result.json
+    python trl_grpo.py --model DIR --steps K --lr LR [--bf16] --out result.json
 
 GRPOTrainer on the built-in arithmetic task: the same prompts, reward,
 batch (8 prompts x 8 samples), response limit, learning rate and steps as
@@ -52,6 +52,7 @@ def main():
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="mixed precision (fp32 weights, bf16 autocast)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -73,7 +74,7 @@ def main():
         logging_steps=1,
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=a.bf16,
         save_strategy="no",
         seed=0,
         disable_tqdm=True,

@@ -51,6 +51,9 @@ def test_default_grpo_runs_and_writes_the_run_directory(ray_cluster, tmp_path):
     ):
         assert key in last, key
     assert set(last["measured_s"]) == set(last["predicted_s"])
+    # the controller's overhead: the step outside every op and reward call (so no op's span counts toward it)
+    assert 0.0 <= last["perf/controller_s"] <= last["step_s"] - max(last["measured_s"].values()) + 1e-3
+    assert last["perf/controller_fraction"] == pytest.approx(last["perf/controller_s"] / last["step_s"])
     # the bytes each rank gathered to sync the rollout engine are what the plan priced
     plan = json.loads((out / "plan.json").read_text())
     (sync,) = [r for r in plan["reshards"] if r["role"] == "actor" and r["dst_phase"] == "generate"]
