@@ -249,17 +249,21 @@ class TrainEngine:
         self.b.export_hf(path, tokenizer)
 
     def describe(self) -> dict[str, Any]:
-        """What runs, as built: backend, parameter dtype, whether parameters are sharded over the
-        pool, whether it trains, and the micro-batches its last op ran (with LoRA, the adapters
-        and how many parameters train)."""
+        """What runs, as built: backend, compute dtype (with mixed precision, the master weights'
+        dtype too), whether parameters are sharded over the pool, whether it trains, and the
+        micro-batches its last op ran (with LoRA, the adapters and how many parameters train)."""
         params = list(self.b.model.parameters())
+        held = str(params[0].dtype).removeprefix("torch.") if params else None
+        compute = getattr(self.b, "compute", None)  # mixed precision: bf16 matmuls over fp32 master weights
         out = {
             "backend": built_backend(self.b),
-            "dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
+            "dtype": str(compute).removeprefix("torch.") if compute is not None else held,
             "sharded": any(hasattr(p, "to_local") for p in params),
             "trains": self.init.optim is not None,
             "micro_batches": self.micro_batches,
         }
+        if held != out["dtype"]:
+            out["master_dtype"] = held
         lora = getattr(self.b, "lora", None)
         if lora is not None:  # the adapters built, and what the optimizer steps (this rank's share when sharded)
             out["lora"] = lora.short()

@@ -71,7 +71,14 @@ def test_layouts_dtype_and_worker_settings_are_followed(ray_cluster, tmp_path):
     m, described, _ = run_plan(tmp_path, plan)
     e = engines(described)
     for actor in e["actor/train"]:
-        assert actor == {"backend": "fsdp2", "dtype": "bfloat16", "sharded": sharded, "trains": True, "micro_batches": 4}
+        assert actor == {
+            "backend": "fsdp2",
+            "dtype": "bfloat16",  # computes in the plan's dtype over fp32 master weights (mixed precision)
+            "master_dtype": "float32",
+            "sharded": sharded,
+            "trains": True,
+            "micro_batches": 4,
+        }
     for r in e["ref/forward"]:
         assert r["sharded"] == ref["layout"]["fsdp"] and r["dtype"] == "bfloat16" and r["micro_batches"] == 8  # 256 rows / 32
     assert all(x["dtype"] == "bfloat16" and x["backend"] == "hf" for x in e["actor/rollout"])
