@@ -110,26 +110,18 @@ def features(backend: str, model: str, batch: dict) -> tuple[list[float], float]
     from flowc.ir.cluster import ClusterSpec
     from flowc.ir.models import ModelSpec
     from flowc.ir.plan import STATIC_BATCH_BACKENDS, Layout
-    from flowc.passes.costs import Hw, kv_bytes_per_token_device, shape_efficiency
-    from flowc.passes.flops import attention_flops_per_token, forward_flops, matmul_params
+    from flowc.passes.costs import Hw, decode_step_device_s, prefill_device_s
 
     m = ModelSpec.resolve(model).model_copy(update={"dtype": "float32"})
     hw = Hw.of(ClusterSpec.parse("local:1"), "float32")  # measured in fp32 on every core
     lay = Layout(backend=backend)
     lengths = [int(x) for x in batch["lengths"]]
     b, steps = len(lengths), max(lengths)
-    w_dev = m.bytes_per_param * m.params_total
-    kv_tok = kv_bytes_per_token_device(m, lay)
-    mm = 2.0 * matmul_params(m)
     decode = 0.0
-    for t in range(steps):
+    for t in range(steps):  # the planner's per-step model, with the sequences this batch really had active
         active = b if backend in STATIC_BATCH_BACKENDS else sum(1 for x in lengths if x > t)
-        ctx = PROMPT_LEN + t
-        mem_t = (w_dev + active * ctx * kv_tok) / (hw.hbm * hw.eff.decode_bw)
-        flops_t = active * (mm + attention_flops_per_token(m, ctx)) / (hw.peak * hw.eff.matmul)
-        decode += max(mem_t, flops_t)
-    pf = forward_flops(m, b * PROMPT_LEN, PROMPT_LEN)
-    prefill = pf / (hw.peak * hw.eff.matmul * shape_efficiency(b * PROMPT_LEN, m.hidden_size, hw))
+        decode += decode_step_device_s(m, lay, hw, active, PROMPT_LEN + t)
+    prefill = prefill_device_s(m, lay, hw, b, PROMPT_LEN)
     return [float(b), float(steps), float(steps * m.num_layers), decode], prefill
 
 

@@ -491,6 +491,25 @@ def longest_of(n: float, mean: float, limit: float) -> float:
     return min(limit, mean * (math.log(n) + 0.5772))
 
 
+def prefill_device_s(m: ModelSpec, lay: Layout, hw: Hw, rows: float, prompt_len: float) -> float:
+    """Seconds of a compute-bound forward over ``rows`` prompts of ``prompt_len`` tokens on one
+    device of ``lay`` (the tensor-parallel all-reduces not included)."""
+    flops = forward_flops(m, rows * prompt_len, prompt_len) / lay.tp
+    return flops / (hw.peak * hw.eff.matmul * shape_efficiency(rows * prompt_len, m.hidden_size / lay.tp, hw))
+
+
+def decode_step_device_s(m: ModelSpec, lay: Layout, hw: Hw, active: float, ctx: float) -> float:
+    """Seconds of one decode step's device work at the profile's rates, before any backend's
+    host costs and kernel speed: reading the weight shard and the KV cache of ``active``
+    sequences at context ``ctx`` (memory-bound) or their matmul and attention FLOPs
+    (compute-bound), whichever is longer; the stages of a pipeline run one after the other."""
+    w_dev = generation_weights_gb(m, lay) * GB
+    mem_t = lay.pp * (w_dev + active * ctx * kv_bytes_per_token_device(m, lay)) / (hw.hbm * hw.eff.decode_bw)
+    mm = 2.0 * matmul_params(m) / lay.tp
+    flops_t = active * (mm + attention_flops_per_token(m, ctx) / lay.tp) / (hw.peak * hw.eff.matmul)
+    return max(mem_t, flops_t)
+
+
 def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: float) -> PhaseCost | None:
     """Time and memory of ``generate`` with ``lay`` when ``free_gb`` per device
     is left for this phase (after co-located roles and the generation weights
@@ -514,11 +533,7 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
     conc = int(free // (kv_seq + logits_seq))
     waves = max(1, math.ceil(seqs / conc))
     b = math.ceil(seqs / waves)
-    w_dev = generation_weights_gb(m, lay) * GB
-    mm = 2.0 * matmul_params(m) / lay.tp
-    # prefill: a compute-bound forward over the prompts of a wave
-    prefill_flops = forward_flops(m, b * d.prompt_len, d.prompt_len) / lay.tp
-    prefill = prefill_flops / (hw.peak * hw.eff.matmul * shape_efficiency(b * d.prompt_len, m.hidden_size / lay.tp, hw))
+    prefill = prefill_device_s(m, lay, hw, b, d.prompt_len)
     if lay.tp > 1:
         prefill += (
             allreduce_time(b * d.prompt_len * m.hidden_size * m.bytes_per_param, lay.tp, hw.link(lay.tp), hw.latency)
@@ -535,20 +550,19 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
         steps = d.response_len
         active = b * d.mean_response_len / d.response_len  # mean active sequences over the steps
         ctx = d.prompt_len + d.mean_response_len / 2.0
-    # the stages of a pipeline run one after the other within a step
-    mem_t = lay.pp * (w_dev + active * ctx * kv_tok) / (hw.hbm * hw.eff.decode_bw * rc.decode_scale)
-    flops_t = active * (mm + attention_flops_per_token(m, ctx) / lay.tp) / (hw.peak * hw.eff.matmul * rc.decode_scale)
     per_layer = hw.layer_overhead if rc.layer_overhead_us is None else rc.layer_overhead_us * 1e-6
     floor = m.num_layers * per_layer + rc.step_ms * 1e-3
     floor += (2 * m.num_layers * hw.latency if lay.tp > 1 else 0.0) + (lay.pp - 1) * hw.latency
     if m.is_moe and lay.ep > 1:
         floor += 2 * m.moe_layers * hw.latency
-    step = max(mem_t, flops_t) + floor
+    step = decode_step_device_s(m, lay, hw, active, ctx) / rc.decode_scale + floor
     decode = steps * step
     requests = seqs * rc.request_ms * 1e-3  # host work per request, which the engine does not hide
     total = waves * (prefill + decode) + requests
     kv_used = min(b, conc) * kv_seq / GB
-    mem = _memory(weights=w_dev / GB, kv_cache=kv_used, activations=b * m.vocab_size * 4.0 / lay.tp / GB, buffers=buf)
+    mem = _memory(
+        weights=generation_weights_gb(m, lay), kv_cache=kv_used, activations=b * m.vocab_size * 4.0 / lay.tp / GB, buffers=buf
+    )
     detail = {
         "prefill": waves * prefill,
         "decode": waves * decode,
