@@ -40,6 +40,20 @@ ROLLOUT_BACKENDS: tuple[Backend, ...] = ("vllm", "hf")
 # rollout backends that decode a wave as one padded batch: every row computes until the wave's
 # longest response ends (vLLM batches continuously: a finished sequence leaves the batch)
 STATIC_BATCH_BACKENDS: frozenset[str] = frozenset({"hf"})
+# A paged KV cache (vLLM's) hands a sequence whole blocks of this many tokens: vLLM's defaults,
+# 16 on GPUs and 128 on CPUs (its CPU platform), so a 40-token sequence holds 128 tokens there.
+KV_BLOCK_TOKENS = {"gpu": 16, "cpu": 128}
+
+
+def kv_tokens_held(tokens: int, backend: str, kind: str) -> int:
+    """The KV-cache tokens a sequence of ``tokens`` holds in a rollout engine: whole blocks in a
+    paged cache (:data:`KV_BLOCK_TOKENS`), exactly ``tokens`` in the ``hf`` loop's own cache."""
+    if backend in STATIC_BATCH_BACKENDS:
+        return tokens
+    block = KV_BLOCK_TOKENS[kind]
+    return -(-tokens // block) * block
+
+
 ReshardMethod = Literal["in_place", "micro_dp_allgather", "full_allgather", "broadcast", "p2p"]
 DType = Literal["float32", "bfloat16"]
 

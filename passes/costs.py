@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, make_dataclass
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.hardware import Efficiency, RolloutCost
 from flowc.ir.models import ModelSpec
-from flowc.ir.plan import STATIC_BATCH_BACKENDS, Layout, Memory
+from flowc.ir.plan import STATIC_BATCH_BACKENDS, Layout, Memory, kv_tokens_held
 from flowc.passes.flops import Demand, attention_flops_per_token, forward_flops, matmul_params, train_flops, useful_train_flops
 
 GB = 1e9
@@ -524,7 +524,7 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
     static = lay.backend in STATIC_BATCH_BACKENDS
     buf = FIXED_BUFFERS_GB[hw.kind]
     kv_tok = kv_bytes_per_token_device(m, lay)
-    kv_seq = (d.prompt_len + d.response_len) * kv_tok
+    kv_seq = kv_tokens_held(d.prompt_len + d.response_len, lay.backend, hw.kind) * kv_tok
     logits_seq = m.vocab_size * 4.0 / lay.tp  # fp32 logits of the sampling step, per sequence in the batch
     free = free_gb * GB - buf * GB
     if free < kv_seq + logits_seq:

@@ -203,6 +203,7 @@ class Controller:
             # a rollout engine sharing its devices with a trainer frees its memory between rollouts (where it can)
             colocated=g.hosts(EngineKind.TRAIN),
             memory_fraction=e.memory_fraction,
+            kv_cache_bytes=round(e.kv_cache_gb * 1e9),
             timeout_s=self.p.target.timeout_s,
         )
 

@@ -8,10 +8,7 @@ run draws exactly what an uninterrupted one would.
 
 from __future__ import annotations
 
-import inspect
-import numbers
 import random
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +16,7 @@ import torch
 
 from flowc.errors import DataError
 from flowc.ir.functional import PromptBatch, Rollout
-
-RewardFn = Callable[..., Sequence[float]]
+from flowc.runtime.reward_calls import RewardFn, score_reward
 
 
 @dataclass
@@ -165,66 +161,4 @@ def tokenize_pairs(
 
 def call_reward(fn: RewardFn, name: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]]) -> torch.Tensor:
     """Call a user's reward function and check what it returns: one score per response."""
-    return score_reward(fn, name, prompts, responses, columns)[0]
-
-
-def score_reward(
-    fn: RewardFn,
-    name: str,
-    prompts: list[str],
-    responses: list[str],
-    columns: dict[str, list[Any]],
-    *,
-    offset: int = 0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """:func:`call_reward`, and the batch mean of every other number a response's dict carried
-    (verl's ``{"score": 1.0, "acc": True, "pred": "4"}``: ``{"acc": 1.0}``; text is left out).
-    ``offset``: the first response's number in the whole batch (a shard's), for errors."""
-    extras: dict[str, list[float]] = {}
-    try:
-        sig = inspect.signature(fn)
-        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        cols = columns if takes_kwargs else {k: v for k, v in columns.items() if k in sig.parameters}
-        out = fn(prompts, responses, **cols)
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(
-            f"reward function {name} raised {type(e).__name__}: {e}",
-            fix="it is called as fn(prompts: list[str], responses: list[str], **columns) and must return one float per response",
-        ) from e
-    try:
-        out = list(out)
-        for i, x in enumerate(out):
-            if isinstance(x, dict):  # verl's {"score": …, other metrics}
-                if "score" not in x:
-                    raise DataError(
-                        f"reward function {name} returned a dict without 'score' for response {offset + i} (keys: {', '.join(x)})",
-                        fix='return {"score": float, …} or a float',
-                    )
-                out[i] = x["score"]
-                for k, v in x.items():
-                    if k != "score" and isinstance(v, numbers.Real | bool):  # a number, numpy's too
-                        extras.setdefault(k, []).append(float(v))
-            elif x is None:  # TRL's "not applicable": there other functions score the sample; here none would
-                raise DataError(
-                    f"reward function {name} returned None for response {offset + i}",
-                    fix="return a score for every response (a flowc Reward role's scores are used alone; TRL's None "
-                    "'not applicable' needs another function to score the sample: combine them in one)",
-                )
-        scores = torch.as_tensor(out, dtype=torch.float32)
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(
-            f"reward function {name} returned {type(out).__name__}, not a sequence of numbers",
-            fix="return a list of floats, one per response",
-        ) from e
-    if scores.shape != (len(responses),):
-        raise DataError(
-            f"reward function {name} returned {tuple(scores.shape)} scores for {len(responses)} responses",
-            fix="return one float per response",
-        )
-    if not torch.isfinite(scores).all():
-        raise DataError(f"reward function {name} returned a non-finite score", fix="return finite floats")
-    return scores, {k: sum(v) / len(v) for k, v in extras.items()}
+    return torch.tensor(score_reward(fn, name, prompts, responses, columns)[0], dtype=torch.float32)

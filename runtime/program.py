@@ -65,6 +65,7 @@ class EngineSpec:
     model: str
     memory_fraction: float = 0.0  # of each device, what the plan gives a rollout engine (0: not planned)
     lora: LoraConfig | None = None  # a training engine's LoRA adapters, as the plan priced them
+    kv_cache_gb: float = 0.0  # per device, the KV cache the plan gives a rollout engine (0: not planned)
 
     @property
     def role(self) -> str:
@@ -224,7 +225,9 @@ def lower(plan: Plan, *, here: bool = True) -> Program:
             if phase == "forward" and key.kind == EngineKind.TRAIN:
                 continue  # a trained role's forward ops run on its training engine, in its training layout
             lora = rp.lora if key.kind == EngineKind.TRAIN else None
-            engines[pp.pool].append(EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model, _memory_fraction(pp, phase), lora))
+            kv = pp.memory.kv_cache if phase == "generate" else 0.0
+            spec = EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model, _memory_fraction(pp, phase), lora, kv)
+            engines[pp.pool].append(spec)
     groups = tuple(
         GroupSpec(
             p.name, tuple(sorted(device_ids(p.devices))), node_size, tuple(sorted(engines[p.name], key=lambda e: str(e.key)))

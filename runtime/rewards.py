@@ -11,7 +11,6 @@ user's own files travel to that process by value, so it needs no import path.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,23 +19,7 @@ import ray
 import torch
 
 from flowc.errors import DataError, RuntimeFailure
-from flowc.runtime.data import RewardFn, score_reward
-
-
-@ray.remote(num_cpus=0, max_restarts=0)
-class RewardWorker:
-    """Holds the run's reward functions; one call at a time."""
-
-    def __init__(self, fns: dict[str, RewardFn], names: dict[str, str]) -> None:
-        self.fns, self.names = fns, names
-
-    def score(
-        self, role: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]], offset: int = 0
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        return score_reward(self.fns[role], self.names.get(role, role), prompts, responses, columns, offset=offset)
-
-    def pid(self) -> int:
-        return os.getpid()
+from flowc.runtime.reward_calls import RewardFn, RewardWorker
 
 
 class Rewards:
@@ -97,7 +80,7 @@ class Rewards:
                 fix="a reward function must return its scores, not exit; see the log above",
             ) from None
 
-        scores = torch.cat([s for s, _ in got]) if got else torch.zeros(0)
+        scores = torch.tensor([x for s, _ in got for x in s], dtype=torch.float32)
         metrics: dict[str, tuple[float, int]] = {}  # key → (weighted sum, rows) over the shares that carry it
         for (_, extra), (a, b) in zip(got, shares, strict=True):
             for k, v in extra.items():

@@ -56,6 +56,8 @@ class EngineInit:
         colocated: a rollout engine shares its devices with a trainer.
         memory_fraction: the share of each device the plan gives a rollout engine
             (its weights, KV cache and buffers; 0: not planned, the backend's default).
+        kv_cache_bytes: the KV cache the plan gives a rollout engine on each device (0: not
+            planned); vLLM's CPU engine allocates this much, not a fixed size.
         timeout_s: the longest a remote fetch may take.
     """
 
@@ -72,6 +74,7 @@ class EngineInit:
     max_model_len: int = 0
     colocated: bool = False
     memory_fraction: float = 0.0
+    kv_cache_bytes: int = 0
     timeout_s: float = 600.0
 
     @property

@@ -99,4 +99,6 @@ class RolloutEngine:
         return self.b.sleep()
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": built_backend(self.b), "dtype": self.init.dtype, "tp": self.init.layout.tp}
+        """The engine as built; a backend adds what it sized itself (vLLM: its KV cache)."""
+        own = getattr(self.b, "describe", None)
+        return {"backend": built_backend(self.b), "dtype": self.init.dtype, "tp": self.init.layout.tp, **(own() if own else {})}

@@ -23,15 +23,22 @@ What crosses into vLLM and back:
 
 Sleep mode (freeing the KV cache and weights while the trainer runs) exists
 on CUDA only; ``sleep``/``wake`` report whether they did anything.
+
+On CPUs the KV cache is the plan's: the blocks the workload's concurrent sequences hold
+(:func:`cpu_kv_cache_bytes`), not vLLM's fixed default (4 GiB; flowc's own was 1 GiB). A user's
+``VLLM_CPU_KVCACHE_SPACE`` (GiB) still wins, as vLLM reads it last.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +46,7 @@ import torch
 from flowc.errors import DataError, SpecError
 from flowc.ir.functional import PromptBatch, Rollout
 from flowc.ir.models import ModelSpec
+from flowc.ir.plan import kv_tokens_held
 from flowc.ir.sampling import SamplingParams
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.sampling import Sampled
@@ -46,7 +54,6 @@ from flowc.runtime.sampling import Sampled
 # vLLM reads these when it is imported; a worker sets them before the first import.
 CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per engine on CPU
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # Ray gives each worker its CPUs; vLLM must not pin threads
     "VLLM_CONFIGURE_LOGGING": "0",  # flowc's handler instead (see _quiet_vllm)
     "TOKENIZERS_PARALLELISM": "false",
@@ -61,7 +68,6 @@ def cpu_head_sizes() -> tuple[int, ...]:
     plain list. Empty when vLLM is not installed here (nothing to check against)."""
     import ast
     import importlib.util
-    from pathlib import Path
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
@@ -158,6 +164,22 @@ def _retie_lm_head(model: Any) -> None:
         method.process_weights_after_loading(head)
 
 
+CPU_KV_FALLBACK_BYTES = 1 << 30  # an engine the plan did not size
+CPU_KV_MARGIN = 1.1  # over the plan's figure: its rounding to 0.1 MB, block tables
+
+
+def cpu_kv_cache_bytes(init: EngineInit) -> int:
+    """The KV cache a CPU engine allocates: the plan's figure (the whole blocks its concurrent
+    sequences hold) with a margin, and at least one sequence of ``max_model_len`` tokens in whole
+    blocks (vLLM refuses to start with less); 1 GiB when the plan gave none."""
+    if init.kv_cache_bytes <= 0:
+        return CPU_KV_FALLBACK_BYTES
+    config = json.loads((Path(init.source) / "config.json").read_text())
+    spec = ModelSpec.from_hf_config(config, init.role).model_copy(update={"dtype": init.dtype})
+    one = kv_tokens_held(init.max_model_len, "vllm", "cpu") * spec.kv_bytes_per_token
+    return max(math.ceil(init.kv_cache_bytes * CPU_KV_MARGIN), one)
+
+
 class WeightReceiver:
     """vLLM worker extension (mixed into vLLM's worker class): in-place weight reload."""
 
@@ -197,6 +219,8 @@ class VllmRollout:
             kw["distributed_executor_backend"] = "external_launcher"  # join this pool's world
             # what an external launcher (torchrun) would have set; Ray shows each worker only its own device
             os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(world), LOCAL_RANK="0")
+        if not cuda:
+            kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(init)
         if cuda:
             # the plan's share of the device (its weights, KV cache, buffers); co-located roles hold the rest
             kw["gpu_memory_utilization"] = init.memory_fraction or (0.5 if init.colocated else 0.9)
@@ -218,6 +242,16 @@ class VllmRollout:
         self.can_sleep = cuda and init.colocated
         self.asleep = False
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    def describe(self) -> dict[str, Any]:
+        """The KV cache vLLM allocated: its bytes (the plan's on CPUs), blocks and tokens."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        blocks = int(cache.num_gpu_blocks or 0)
+        return {
+            "kv_cache_bytes": int(cache.kv_cache_memory_bytes or 0),
+            "kv_cache_blocks": blocks,
+            "kv_cache_tokens": blocks * int(cache.block_size),
+        }
 
     # ------------------------------------------------------------ generate
     @staticmethod

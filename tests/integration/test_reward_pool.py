@@ -8,10 +8,12 @@ import os
 import time
 
 import pytest
+import ray
 
 from flowc.errors import DataError
 from flowc.rewards import adapt
 from flowc.runtime.rewards import Rewards, _shares
+from flowc.tasks.arithmetic import exact_match
 
 pytestmark = pytest.mark.slow
 
@@ -51,5 +53,17 @@ def test_a_pool_shares_a_call_among_its_processes(ray_cluster):
         assert time.perf_counter() - t < 2.5
         with pytest.raises(DataError, match=r"at step 3: reward function bad returned None for response 5"):
             pool.score("bad", ["p"] * 9, ["r"] * 9, cols, where="step 3")
+    finally:
+        pool.stop()
+
+
+def test_a_reward_process_holds_no_torch(ray_cluster):
+    """The built-in task's reward needs no torch, so its process loads none (a second copy of
+    torch is ~250 MB resident per reward worker); scores still come back as one float32 tensor."""
+    pool = Rewards({"r": exact_match}, {}, timeout_s=60)
+    try:
+        got = pool.score("r", ["1+1=", "2+2="], ["2", "5"], {"answer": ["2", "4"]}, where="test")
+        assert got.dtype.is_floating_point and got.tolist() == [1.0, 0.0]
+        assert not ray.get(pool._actors()[0].imported.remote("torch"))
     finally:
         pool.stop()

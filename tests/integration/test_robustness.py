@@ -209,3 +209,25 @@ def test_a_local_run_listens_on_loopback_only(ray_cluster):
     finally:
         for w in ws:
             ray.kill(w)
+
+
+def test_a_local_cluster_starts_only_the_processes_a_run_uses(ray_cluster):
+    """No autoscaler monitor and no dashboard API server on a local cluster (about 0.2 GB resident
+    between them, for a cluster whose size is fixed and whose dashboard is off); the GCS and the
+    raylet are there."""
+    import psutil
+
+    from flowc.runtime.ray_session import running_temp_dir
+    from flowc.runtime.reaper import session_pids
+
+    tmp = running_temp_dir()
+    assert tmp, "the test session's Ray was not started by flowc"
+    cmds = []
+    for pid in session_pids(tmp):
+        try:
+            cmds.append(" ".join(psutil.Process(pid).cmdline()))
+        except psutil.Error:
+            continue
+    assert any("gcs_server" in c for c in cmds) and any("raylet" in c for c in cmds), cmds
+    extra = [c for c in cmds if "autoscaler/_private/monitor.py" in c or "dashboard/dashboard.py" in c]
+    assert not extra, extra

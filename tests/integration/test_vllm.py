@@ -172,5 +172,14 @@ def test_grpo_with_vllm_matches_the_trainer_after_training_steps(ray_cluster, tm
         assert got["actor/sync_bytes_predicted"] == pytest.approx(sync.bytes_per_device)
         assert got["actor/sync_bytes_per_device"] == pytest.approx(sync.bytes_per_device, rel=0.05, abs=1.0)
         assert ctl.sync_error("actor") < TOL
+        # the engine's KV cache is the plan's (the blocks its concurrent sequences hold), not a fixed GiB
+        from flowc.runtime.backends.vllm import cpu_kv_cache_bytes
+
+        plan_kv = prep.plan.phase("actor", "generate").memory.kv_cache
+        init = ctl._init(next(g for g in spec.program.groups if gen in g.engines), gen)
+        assert plan_kv > 0 and init.kv_cache_bytes == round(plan_kv * 1e9)
+        built = [e for w in ctl.describe().values() for x in w for k, e in x["engines"].items() if "rollout" in k]
+        assert built and all(e["kv_cache_bytes"] == cpu_kv_cache_bytes(init) < 2**27 for e in built)  # was 1 GiB
+        assert all(e["kv_cache_tokens"] >= init.max_model_len for e in built)
     finally:
         ctl.shutdown()

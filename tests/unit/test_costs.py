@@ -6,8 +6,15 @@ import pytest
 
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.models import ModelSpec
-from flowc.ir.plan import Layout
-from flowc.passes.costs import Hw, forward_cost, generate_cost, params_per_device, train_cost, train_state_gb
+from flowc.ir.plan import Layout, kv_tokens_held
+from flowc.passes.costs import (
+    Hw,
+    forward_cost,
+    generate_cost,
+    params_per_device,
+    train_cost,
+    train_state_gb,
+)
 from flowc.passes.flops import Demand, forward_flops, matmul_params, train_flops
 
 Q7 = ModelSpec.resolve("qwen2.5-7b")
@@ -74,6 +81,21 @@ def test_kv_cache_and_generation_waves():
     assert roomy.waves == -(-512 // int((60.0 - 1.0) * 1e9 // per_seq))
     assert tight.waves > roomy.waves and tight.time > roomy.time
     assert generate_cost(Q7, lay, d, H100, free_gb=1.05) is None  # not even one sequence fits
+
+
+def test_a_paged_kv_cache_holds_whole_blocks():
+    """vLLM hands a sequence whole blocks (16 tokens on GPUs, 128 on CPUs); the HF loop's own
+    cache holds exactly its tokens. Regression: a CPU plan priced 40-token sequences at 40 tokens
+    each, a quarter of what the engine holds, and the runtime then sized the cache from it."""
+    assert kv_tokens_held(40, "vllm", "cpu") == 128 and kv_tokens_held(129, "vllm", "cpu") == 256
+    assert kv_tokens_held(40, "vllm", "gpu") == 48 and kv_tokens_held(40, "hf", "cpu") == 40
+    d = Demand(sequences=64, prompt_len=8, response_len=32, mean_response_len=16)
+    tiny = ModelSpec.resolve("flowc-tiny").model_copy(update={"dtype": "float32"})
+    cpu = Hw.of(ClusterSpec.parse("local"))
+    paged = generate_cost(tiny, Layout(backend="vllm"), d, cpu, free_gb=4.0)
+    static = generate_cost(tiny, Layout(backend="hf"), d, cpu, free_gb=4.0)
+    assert paged.memory.kv_cache == pytest.approx(64 * 128 * tiny.kv_bytes_per_token / 1e9)
+    assert static.memory.kv_cache == pytest.approx(64 * 40 * tiny.kv_bytes_per_token / 1e9)
 
 
 def test_decode_has_a_latency_floor():

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -127,7 +128,7 @@ def test_dict_results_give_their_extra_numbers_as_batch_means():
 
     cols = {"data_source": ["a"] * 3, "reward_model": [{"ground_truth": "4"}] * 3}
     scores, extras = score_reward(adapt(scored), "s", ["p"] * 3, ["4", "44", "5"], cols)
-    assert scores.tolist() == [1.0, 0.0, 0.0]
+    assert scores == [1.0, 0.0, 0.0]
     assert extras == pytest.approx({"acc": 1 / 3, "length": 4 / 3})  # text ("pred") is left out
     assert score_reward(plain, "p", ["p"], ["x"], {"answer": ["x"]})[1] == {}
 
@@ -161,3 +162,14 @@ def test_the_recognised_convention_is_reported():
     assert notes[0].startswith("reward a (v.py:compute_score): called as verl's per-sample compute_score")
     assert "TRL's reward_func(prompts, completions" in notes[1]
     assert "responses' calls awaited concurrently" in notes[2] and len(notes) == 3  # the plain one needs no note
+
+
+def test_scores_must_be_numbers_one_per_response():
+    with pytest.raises(DataError, match="not a sequence of numbers"):
+        score_reward(lambda p, r: ["1.0"], "s", ["p"], ["x"], {})  # text is not a score, even if it parses
+    with pytest.raises(DataError, match="not a sequence of numbers"):
+        score_reward(lambda p, r: [[1.0]], "s", ["p"], ["x"], {})
+    with pytest.raises(DataError, match="non-finite"):
+        score_reward(lambda p, r: [float("nan")], "s", ["p"], ["x"], {})
+    assert score_reward(lambda p, r: np.array([1, 0.5]), "s", ["p"] * 2, ["x"] * 2, {})[0] == [1.0, 0.5]
+    assert score_reward(lambda p, r: torch.tensor([True, False]), "s", ["p"] * 2, ["x"] * 2, {})[0] == [1.0, 0.0]

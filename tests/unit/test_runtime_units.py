@@ -445,3 +445,19 @@ def test_hf_samples_are_a_function_of_each_rows_seed():
     counts = torch.histc(u.float(), bins=10, min=0, max=1)
     chi2 = float(((counts - 2000) ** 2 / 2000).sum())
     assert chi2 < 30  # 9 degrees of freedom: p ≈ 0.0005 at 30
+
+
+def test_a_cpu_vllm_engine_allocates_the_plans_kv_cache():
+    """The plan's KV figure with a 10 % margin; never less than one sequence of max_model_len
+    tokens in whole 128-token blocks (vLLM's CPU block); 1 GiB when the plan gave none."""
+    from flowc.ir.plan import Layout
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.vllm import cpu_kv_cache_bytes
+
+    base = dict(role="actor", kind="policy", source=str(arith.asset_dir()), layout=Layout(backend="vllm"), seed=0)
+    per_token = 2 * 2 * 32 * 2  # k and v × kv heads × head dim × layers of the shipped model, per dtype byte
+    planned = EngineInit(**base, dtype="float32", max_model_len=40, kv_cache_bytes=10_000_000)
+    assert cpu_kv_cache_bytes(planned) == 11_000_000
+    tiny = EngineInit(**base, dtype="bfloat16", max_model_len=200, kv_cache_bytes=1000)
+    assert cpu_kv_cache_bytes(tiny) == 256 * per_token * 2  # one 200-token sequence holds two blocks
+    assert cpu_kv_cache_bytes(EngineInit(**base, dtype="float32", max_model_len=40)) == 2**30
