@@ -32,7 +32,19 @@ from flowc.ir.sampling import SamplingParams
 from flowc.ir.targets import resolve
 from flowc.ir.verify import filter_region
 from flowc.runtime.backends import EngineInit
-from flowc.runtime.batches import Sharded, assemble, cat_rows, even_split, minibatch_rows, num_rows, project, take_rows
+from flowc.runtime.batches import (
+    INLINE_BYTES,
+    Inline,
+    Sharded,
+    assemble,
+    cat_rows,
+    even_split,
+    minibatch_rows,
+    nbytes,
+    num_rows,
+    project,
+    take_rows,
+)
 from flowc.runtime.checkpoints import CheckpointDir
 from flowc.runtime.data import Records, RewardFn, tokenize_pairs, tokenize_prompts
 from flowc.runtime.program import EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step
@@ -234,9 +246,12 @@ class Controller:
         return self.groups[gspec.name], espec
 
     def _sharded(self, v: Any) -> Sharded:
+        """A controller value as one shard: a small one inline in the calls that use it, a bulk
+        one in the object store."""
         if isinstance(v, Sharded):
             return v
-        return Sharded((ray.put(v.value),), (num_rows(v.value),))
+        ref = Inline(v.value) if nbytes(v.value) <= INLINE_BYTES else ray.put(v.value)
+        return Sharded((ref,), (num_rows(v.value),))
 
     def _value(self, env: dict[str, Any], ref: ValueRef) -> Any:
         base = env[ref.node]
@@ -577,7 +592,7 @@ class Controller:
         role = next(iter(self.rewards))
         wg, e = self._group_of(self.p.steps_of(Op.GENERATE)[0].engine)
         prompts = tokenize_prompts(self.tok, [r[data.prompt_key] for r in rows], self.p.workload.prompt_len)
-        src = Sharded((ray.put(prompts),), (len(rows),))
+        src = self._sharded(Local(prompts))
         args = {
             "n": 1,
             "sampling": SamplingParams(greedy=True),
@@ -607,7 +622,7 @@ class Controller:
         w = self.p.workload
         cols = [[r[c] for r in rows] for c in (data.prompt_key, "chosen", "rejected")]
         pairs = tokenize_pairs(self.tok, *cols, w.prompt_len, w.response_len)
-        src = Sharded((ray.put(pairs),), (num_rows(pairs),))
+        src = self._sharded(Local(pairs))
         ref_lp, _ = self._forward(ref_step, src)
         act_lp, _ = self._forward(replace(upd, op=Op.LOGPROBS), src)
         _, st = dpo_loss(node.kwargs["loss"], self._materialize(act_lp), self._materialize(ref_lp), pairs.response_mask)

@@ -8,8 +8,11 @@ the same model, batch (8 prompts × 8 samples), response limit (24 tokens),
 learning rate and steps; they alternate (flowc, TRL, flowc, TRL, …) so that
 machine noise hits both. Reported per system: median seconds per step (the
 first two steps of each run are warm-up and dropped), generated tokens/s
-(response tokens / step time), peak resident memory of the whole process tree
-(Ray's processes included for flowc), and the ratio flowc/TRL.
+(response tokens / step time), peak memory of the whole process tree (Ray's
+processes included for flowc) both as the sum of resident sets (RSS: shared
+library pages counted once per process) and as the proportional set size (PSS:
+each shared page split among the processes that map it, so the sum is what the
+tree takes from the machine), and the ratio flowc/TRL.
 
 With ``--bf16`` each system also runs in mixed precision (fp32 master weights, bf16 matmuls:
 flowc's ``dtype: bfloat16``, TRL's ``bf16=True``) as a second row, in the same alternation.
@@ -71,24 +74,25 @@ def model_dir(size: str, cache: Path) -> str:
 
 
 def watch(proc: subprocess.Popen, peak: list[float]) -> None:
-    """Peak RSS (GB) of the process and all its descendants."""
+    """Peak summed RSS and summed PSS (GB) of the process and all its descendants."""
     try:
         root = psutil.Process(proc.pid)
         while proc.poll() is None:
-            total = 0
+            rss = pss = 0
             for p in [root, *root.children(recursive=True)]:
                 try:
-                    total += p.memory_info().rss
+                    m = p.memory_full_info()
+                    rss, pss = rss + m.rss, pss + m.pss
                 except psutil.Error:
                     pass
-            peak[0] = max(peak[0], total / 1e9)
-            time.sleep(0.2)
+            peak[0], peak[1] = max(peak[0], rss / 1e9), max(peak[1], pss / 1e9)
+            time.sleep(0.25)
     except psutil.Error:
         pass
 
 
-def launch(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
-    peak = [0.0]
+def launch(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, list[float]]:
+    peak = [0.0, 0.0]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     t = threading.Thread(target=watch, args=(p, peak), daemon=True)
     t.start()
@@ -97,7 +101,7 @@ def launch(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedPro
     r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} failed:\n{err[-3000:]}")
-    return r, peak[0]
+    return r, peak
 
 
 def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None = None, bf16: bool = False) -> dict:
@@ -130,7 +134,14 @@ def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None
     tokens = statistics.median(r["gen_tokens"] / r["step_s"] for r in rows)
     controller = statistics.median(r.get("perf/controller_fraction", float("nan")) for r in rows)
     backend = json.loads((out / "plan.json").read_text())["roles"]["actor"]["phases"]["generate"]["layout"]["backend"]
-    return {"step_s": step, "tokens_per_s": tokens, "peak_gb": peak, "controller": controller, "backend": backend}
+    return {
+        "step_s": step,
+        "tokens_per_s": tokens,
+        "peak_gb": peak[0],
+        "pss_gb": peak[1],
+        "controller": controller,
+        "backend": backend,
+    }
 
 
 def run_trl(model: str, steps: int, lr: float, work: Path, bf16: bool = False) -> dict:
@@ -146,7 +157,8 @@ def run_trl(model: str, steps: int, lr: float, work: Path, bf16: bool = False) -
     return {
         "step_s": statistics.median(times),
         "tokens_per_s": statistics.median(t / s for t, s in zip(per_step_tokens, times, strict=False)),
-        "peak_gb": peak,
+        "peak_gb": peak[0],
+        "pss_gb": peak[1],
     }
 
 
@@ -185,12 +197,12 @@ def main() -> None:
     )
     print()
     print(
-        "| size | precision | system | s/step | samples/s | generated tokens/s | mean response | peak memory | controller share | flowc/TRL (samples/s) | flowc/TRL (tokens/s) |"
+        "| size | precision | system | s/step | samples/s | generated tokens/s | mean response | peak memory (RSS) | peak memory (PSS) | controller share | flowc/TRL (samples/s) | flowc/TRL (tokens/s) |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size, res in results.items():
         med = {
-            k: {f: statistics.median(x[f] for x in runs) for f in ("step_s", "tokens_per_s", "peak_gb")}
+            k: {f: statistics.median(x[f] for x in runs) for f in ("step_s", "tokens_per_s", "peak_gb", "pss_gb")}
             for k, runs in res.items()
         }
         for prec in precisions:
@@ -205,7 +217,7 @@ def main() -> None:
                     name = f"flowc ({backends})"
                     ctl = f"{statistics.median(x['controller'] for x in res['flowc', prec]):.0%}"
                 print(
-                    f"| {size} | {prec} | {name} | {m['step_s']:.3f} | {64 / m['step_s']:.0f} | {m['tokens_per_s']:.0f} | {length:.1f} | {m['peak_gb']:.2f} GB | {ctl} | {ratios[0]} | {ratios[1]} |"
+                    f"| {size} | {prec} | {name} | {m['step_s']:.3f} | {64 / m['step_s']:.0f} | {m['tokens_per_s']:.0f} | {length:.1f} | {m['peak_gb']:.2f} GB | {m['pss_gb']:.2f} GB | {ctl} | {ratios[0]} | {ratios[1]} |"
                 )
 
 

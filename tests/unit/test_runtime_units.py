@@ -21,7 +21,7 @@ from flowc.loader import load_flow
 from flowc.passes.pins import Pins, parse_pins, pins_from_plan
 from flowc.passes.pipeline import make_plan
 from flowc.planning import run_target, runtime_pins
-from flowc.runtime.batches import Sharded, cat_rows, even_split, repeat_rows, slice_rows
+from flowc.runtime.batches import INLINE_BYTES, Inline, Sharded, assemble, cat_rows, even_split, nbytes, repeat_rows, slice_rows
 from flowc.runtime.data import Records, call_reward, tokenize_prompts
 from flowc.runtime.program import lower
 from flowc.runtime.sampling import process_logits
@@ -461,3 +461,24 @@ def test_a_cpu_vllm_engine_allocates_the_plans_kv_cache():
     tiny = EngineInit(**base, dtype="bfloat16", max_model_len=200, kv_cache_bytes=1000)
     assert cpu_kv_cache_bytes(tiny) == 256 * per_token * 2  # one 200-token sequence holds two blocks
     assert cpu_kv_cache_bytes(EngineInit(**base, dtype="float32", max_model_len=40)) == 2**30
+
+
+def test_small_values_travel_inline_and_bulk_ones_by_reference():
+    """A piece may hold its value (Inline) or a reference; assembling fetches only the references,
+    in one call, and joins the rows in order."""
+    small = torch.arange(6.0).reshape(3, 2)
+    bulk = torch.zeros(INLINE_BYTES // 4 + 1)
+    assert nbytes(small) == 24 and nbytes(bulk) > INLINE_BYTES
+    assert nbytes(["ab", "c"]) == 3 and nbytes([object()]) > INLINE_BYTES  # unknown sizes count as large
+    store = {"r1": torch.full((2, 2), 7.0)}
+    fetched: list[list[str]] = []
+
+    def fetch(refs):
+        fetched.append(list(refs))
+        return [store[r] for r in refs]
+
+    v = Sharded((Inline(small), "r1"), (3, 2))
+    got = assemble(v.pieces(1, 5), fetch)
+    assert fetched == [["r1"]] and torch.equal(got, torch.cat([small[1:], store["r1"]]))
+    fetched.clear()
+    assert torch.equal(assemble(Sharded((Inline(small),), (3,)).pieces(0, 3), fetch), small) and fetched == []
