@@ -81,6 +81,7 @@ class ClusterSpec(BaseModel):
                     "fp32_tflops": p.fp32_tflops * scale if p.fp32_tflops else None,
                     "mem_bw_tb_s": p.mem_bw_tb_s * scale,
                     "memory_gb": p.memory_gb * k,
+                    "reserved_gb": p.reserved_gb * k,  # its k cores' share of the controller and Ray
                     "devices_per_node": max(p.devices_per_node // k, 1),
                 }
             )

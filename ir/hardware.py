@@ -54,6 +54,8 @@ class RolloutCost(BaseModel):
             None: the profile's ``layer_overhead_us``.
         decode_scale: the rate of the decode loop's matmuls and weight reads relative to
             the profile's calibrated ``matmul`` and ``decode_bw`` (its kernels' speed).
+        resident_gb: memory the engine holds beyond its weights and KV cache (its libraries,
+            scheduler and workspaces), per device; counted where it runs.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -62,6 +64,7 @@ class RolloutCost(BaseModel):
     step_ms: float = Field(0.0, ge=0)
     layer_overhead_us: float | None = Field(None, ge=0)
     decode_scale: float = Field(1.0, gt=0)
+    resident_gb: float = Field(0.0, ge=0)
 
 
 class HardwareProfile(BaseModel):
@@ -76,7 +79,11 @@ class HardwareProfile(BaseModel):
             priced at; None: half the bf16 peak (GPUs: TF32 tensor cores).
         memory_gb: device memory (GB, 1e9 bytes).
         reserved_gb: memory not available to tensors (runtime context,
-            allocator fragmentation, communication buffers).
+            allocator fragmentation, communication buffers; on CPUs each core's share of the
+            controller's and Ray's own processes).
+        process_gb: resident memory of one worker process before any model state (the
+            interpreter, torch, transformers, Ray's worker core), counted in every phase's
+            buffers; CPUs, where the device memory is the host's (0 on GPUs).
         mem_bw_tb_s: memory bandwidth per device (TB/s).
         intra_node_gb_s: device-to-device bandwidth inside a node, per device
             and direction (GB/s).
@@ -114,6 +121,7 @@ class HardwareProfile(BaseModel):
     fp32_tflops: float | None = Field(None, gt=0)
     memory_gb: float = Field(gt=0)
     reserved_gb: float = Field(0.0, ge=0)
+    process_gb: float = Field(0.0, ge=0)
     mem_bw_tb_s: float = Field(gt=0)
     intra_node_gb_s: float = Field(gt=0)
     inter_node_gb_s: float = Field(gt=0)

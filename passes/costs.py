@@ -52,6 +52,7 @@ class Hw:
     pool_bw: float = 0.0  # B/s per device for data moving between pools (the network across nodes, else NVLink)
     controller_bw: float = 0.0  # B/s between the controller and a pool
     rollout: tuple[tuple[str, RolloutCost], ...] = ()  # per rollout backend, beyond the shared model (hashable)
+    process_gb: float = 0.0  # a CPU worker process's own resident memory, in every phase's buffers
 
     def rollout_cost(self, backend: str) -> RolloutCost:
         """What ``backend`` costs here beyond the shared model (nothing, where not profiled)."""
@@ -89,6 +90,7 @@ class Hw:
             pool_bw=inter if cluster.nodes > 1 else intra,
             controller_bw=p.inter_node_gb_s * GB * p.efficiency.inter_node,
             rollout=tuple(sorted(p.rollout.items())),
+            process_gb=p.process_gb,
         )
 
     def link(self, group: int, stride: int = 1) -> float:
@@ -290,7 +292,9 @@ def activation_gb(m: ModelSpec, lay: Layout, t: float, *, train: bool, logits: b
 
 
 def buffers_gb(m: ModelSpec, lay: Layout, hw: Hw) -> float:
-    fixed = FIXED_BUFFERS_GB[hw.kind]
+    """Workspaces beside the model state: fixed buffers, a CPU worker's own process, and FSDP's
+    unsharded layers in flight."""
+    fixed = FIXED_BUFFERS_GB[hw.kind] + hw.process_gb
     if lay.fsdp:  # two unsharded layers in flight (current + prefetched), in the compute dtype
         layer_params = (m.params_total - m.embedding_params) / m.num_layers
         fixed += 2 * m.bytes_per_param * layer_params / lay.tp / GB
@@ -522,7 +526,7 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
     (:class:`flowc.ir.hardware.RolloutCost`)."""
     rc = hw.rollout_cost(lay.backend)
     static = lay.backend in STATIC_BATCH_BACKENDS
-    buf = FIXED_BUFFERS_GB[hw.kind]
+    buf = FIXED_BUFFERS_GB[hw.kind] + hw.process_gb + rc.resident_gb
     kv_tok = kv_bytes_per_token_device(m, lay)
     kv_seq = kv_tokens_held(d.prompt_len + d.response_len, lay.backend, hw.kind) * kv_tok
     logits_seq = m.vocab_size * 4.0 / lay.tp  # fp32 logits of the sampling step, per sequence in the batch

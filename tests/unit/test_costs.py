@@ -134,3 +134,28 @@ def test_forward_of_a_frozen_role_keeps_its_weights_resident():
     assert c.resident_gb == pytest.approx(2 * Q7.params_total / 2 / 1e9)
     off = forward_cost(Q7, Layout(dp=8, backend="fsdp2", fsdp=True, offload_params=True), d, H100, logits=True, frozen=True)
     assert off.resident_gb == 0.0 and off.host_gb > 0
+
+
+def test_a_cpu_plan_counts_each_worker_process_and_its_engine():
+    """On CPUs the device memory is the host's: every phase's buffers hold the worker process
+    itself (torch, transformers, Ray's worker core) and a vLLM engine its own libraries and
+    workspaces; a worker of k cores reserves k cores' share of the controller and Ray. Measured
+    by bench/calibrate_memory.py; before, a CPU plan priced the 34M run at 1.1 GB per worker
+    while it took 2.4 GB."""
+    from flowc.ir.hardware import get_profile
+    from flowc.passes.costs import FIXED_BUFFERS_GB
+
+    core = get_profile("cpu")
+    assert core.process_gb > 0.2 and core.rollout["vllm"].resident_gb > 0.2 and core.reserved_gb > 0
+    two = ClusterSpec(device="cpu", nodes=1, devices_per_node=1, cores_per_device=2).profile
+    assert two.reserved_gb == pytest.approx(2 * core.reserved_gb)
+    hw = Hw.of(ClusterSpec(device="cpu", nodes=1, devices_per_node=1, cores_per_device=2), "float32")
+    tiny = ModelSpec.resolve("flowc-tiny").model_copy(update={"dtype": "float32"})
+    d = Demand(sequences=64, prompt_len=8, response_len=32, mean_response_len=16, updates=1)
+    base = FIXED_BUFFERS_GB["cpu"] + core.process_gb
+    assert train_cost(tiny, Layout(backend="fsdp2"), d, hw, logits=True).memory.buffers == pytest.approx(base)
+    assert generate_cost(tiny, Layout(backend="hf"), d, hw, free_gb=4.0).memory.buffers == pytest.approx(base)
+    vllm = generate_cost(tiny, Layout(backend="vllm"), d, hw, free_gb=4.0)
+    assert vllm.memory.buffers == pytest.approx(base + core.rollout["vllm"].resident_gb)
+    gpu = generate_cost(Q7, Layout(backend="vllm"), d, H100, free_gb=60.0)
+    assert gpu.memory.buffers == pytest.approx(FIXED_BUFFERS_GB["gpu"])  # a GPU's host process is not device memory
