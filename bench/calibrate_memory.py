@@ -20,11 +20,11 @@ It prints the YAML lines to paste into ir/hardware/cpu.yaml.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from fresh import in_fresh_process  # bench/fresh.py
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -106,12 +106,7 @@ def head() -> dict:
 
 
 def fresh(fn: str, *args: str) -> dict:
-    code = f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import calibrate_memory as c; print('RESULT', json.dumps(c.{fn}(*{args!r})))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=1200)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{fn}{args} failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    return in_fresh_process("calibrate_memory", fn, *args, timeout=1200)
 
 
 def main() -> None:

@@ -29,12 +29,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from fresh import in_fresh_process  # bench/fresh.py
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -93,15 +93,7 @@ def measure(backend: str, model: str, reps: int) -> dict:
 
 
 def _in_process(backend: str, model: str, reps: int) -> dict:
-    code = (
-        f"import json, sys; sys.path.insert(0, {str(HERE)!r}); from calibrate_rollout import measure; "
-        f"print('RESULT', json.dumps(measure({backend!r}, {model!r}, {reps})))"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=1800)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{backend} on {model} failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    return in_fresh_process("calibrate_rollout", "measure", backend, model, reps)
 
 
 def features(backend: str, model: str, batch: dict) -> tuple[list[float], float]:

@@ -20,15 +20,15 @@ Sizes as in bench/rollout_backends.py: ``tiny`` (the shipped 0.5M model), ``mid`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fresh import in_fresh_process  # bench/fresh.py
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -153,15 +153,7 @@ def measure(path: str, model: str, rounds: int, rank: int) -> dict:
 
 
 def run(path: str, model: str, rounds: int, rank: int) -> dict:
-    code = (
-        f"import json, sys; sys.path.insert(0, {str(HERE)!r}); from lora_sync import measure; "
-        f"print('RESULT', json.dumps(measure({path!r}, {model!r}, {rounds}, {rank})))"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=1800)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{path} failed:\n{r.stderr[-4000:]}")
-    return json.loads(line[len("RESULT ") :])
+    return in_fresh_process("lora_sync", "measure", path, model, rounds, rank)
 
 
 def main() -> None:

@@ -20,15 +20,15 @@ vllm/hf ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fresh import in_fresh_process  # bench/fresh.py
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -83,12 +83,7 @@ def engine_rate(backend: str, model: str) -> dict:
 
 
 def measure_engine(backend: str, model: str) -> dict:
-    code = f"import json, sys; sys.path.insert(0, {str(HERE)!r}); from rollout_backends import engine_rate; print('RESULT', json.dumps(engine_rate({backend!r}, {model!r})))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=900)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"{backend} engine run failed:\n{r.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    return in_fresh_process("rollout_backends", "engine_rate", backend, model, timeout=900)
 
 
 def main() -> None:
