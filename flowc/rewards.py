@@ -8,17 +8,19 @@ import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowc.errors import SpecError
-from flowc.ir.graph import FlowGraph
-from flowc.ir.ops import RoleKind
-from flowc.loader import on_path
+
+if TYPE_CHECKING:
+    from flowc.ir.graph import FlowGraph
 
 
 def load_reward(spec: str) -> tuple[Callable[..., Any], str]:
     """``module:function`` (importable from the working directory) or ``path/to/file.py:function``
     (its folder importable while it loads)."""
+    from flowc.loader import on_path  # not at import: see bind_rewards
+
     mod_name, sep, fn_name = spec.rpartition(":")
     if not sep or not mod_name or not fn_name:
         raise SpecError(f"--reward {spec!r} is not module:function", fix="e.g. --reward reward=my_rewards:exact_match")
@@ -178,6 +180,8 @@ def bind_rewards(
 ) -> tuple[dict[str, Callable[..., Any]], dict[str, str]]:
     """A function for every Reward role of ``g``: the one given, else ``default`` (the built-in
     task's), else an error naming the role; and the names they are reported by."""
+    from flowc.ir.ops import RoleKind  # not at import: a reward process loads this module, and flowc.ir loads torch
+
     for role in given:
         if role not in g.roles or g.roles[role].kind != RoleKind.REWARD:
             raise SpecError(f"--reward names {role!r}, which is not a Reward role of flow {g.name!r}")

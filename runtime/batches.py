@@ -4,7 +4,9 @@ Values are tensors with a leading batch dimension, ``PromptBatch`` and
 ``Rollout`` bundles, or lists (decoded texts). Bulk values live in the Ray
 object store as one shard per producing worker; a consumer worker receives
 the pieces that cover its rows (``RowSpec``) and joins them itself, so the
-controller handles references and counts, not the data.
+controller handles references and counts, not the data. A small value the
+controller made itself (prompts, advantages: under ``INLINE_BYTES``) travels
+inside the calls that use it instead (:class:`Inline`).
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ INLINE_BYTES = 64 * 1024
 def nbytes(x: Any) -> int:
     """The payload bytes of a row-wise value (tensors, bundles of tensors, lists of texts or
     numbers); a size it cannot tell counts as large."""
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
+    if isinstance(x, torch.Tensor):  # its whole storage travels, also for a small view of a big tensor
+        return max(x.numel() * x.element_size(), x.untyped_storage().nbytes())
     if is_dataclass(x):
         return sum(nbytes(getattr(x, f.name)) for f in fields(x))
     if isinstance(x, list | tuple) and all(isinstance(v, str | int | float | bool) for v in x):
-        return sum(len(v) if isinstance(v, str) else 8 for v in x)
+        return sum(len(v.encode()) if isinstance(v, str) else 8 for v in x)
     return INLINE_BYTES + 1
 
 
@@ -107,7 +109,7 @@ def minibatch_rows(n: int, mini_batches: int, ranks: int, unit: int = 1) -> list
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Inline:
     """A small value held by its reference itself: it travels inside the call that uses it
     (no ``ray.put`` by the controller, no fetch by the worker: two object-store round trips

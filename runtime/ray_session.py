@@ -66,6 +66,11 @@ def _quiet_token_notice() -> None:
 LEAN_SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
 
 
+def lean() -> bool:
+    """Whether a local head starts lean (the default; ``FLOWC_RAY_FULL_HEAD=1``: as Ray would)."""
+    return os.environ.get("FLOWC_RAY_FULL_HEAD") != "1"
+
+
 @contextlib.contextmanager
 def _lean_head() -> Iterator[None]:
     """While a local head starts: no autoscaler monitor and no dashboard API server.
@@ -76,7 +81,7 @@ def _lean_head() -> Iterator[None]:
     node = getattr(getattr(ray, "_private", None), "node", None)
     node_cls = getattr(node, "Node", None)
     names = ("start_monitor", "start_api_server")
-    if os.environ.get("FLOWC_RAY_FULL_HEAD") == "1" or node_cls is None or not all(hasattr(node_cls, n) for n in names):
+    if not lean() or node_cls is None or not all(n in vars(node_cls) for n in names):
         yield
         return
     saved = {n: node_cls.__dict__[n] for n in names}
@@ -123,7 +128,7 @@ def init_ray(address: str | None, *, temp_dir: str | None = None) -> bool:
             ray.init(
                 num_cpus=max(8, 2 * (os.cpu_count() or 1)),
                 include_dashboard=False,
-                _system_config=dict(LEAN_SYSTEM_CONFIG),
+                _system_config=dict(LEAN_SYSTEM_CONFIG) if lean() else None,
                 _temp_dir=tmp,
                 _node_ip_address=LOOPBACK,
                 runtime_env={"env_vars": dict(LOCAL_WORKER_ENV)},

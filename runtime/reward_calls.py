@@ -1,8 +1,9 @@
-"""Calling a user's reward function, and the Ray actor that does it in a process of its own.
+"""Calling a user's reward function and checking what it returns.
 
-This module does not import torch (nor does anything it imports): a reward process holds the
-user's function and what *it* imports, not a second copy of torch (~250 MB resident per
-reward worker). Scores travel back as floats; :mod:`flowc.runtime.rewards` makes the tensor.
+Neither this module nor anything it imports loads torch or Ray: the reward process
+(:mod:`flowc.runtime.reward_worker`) holds the user's function and what *it* imports, not a
+second copy of torch (~250 MB resident per reward worker), and the planning front end reads
+rewards without Ray. Scores are floats; :mod:`flowc.runtime.rewards` makes the tensor.
 """
 
 from __future__ import annotations
@@ -10,15 +11,13 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import ray
 
 from flowc.errors import DataError
 
 RewardFn = Callable[..., Sequence[float]]
+FLOAT32_MAX = 3.4028234663852886e38  # scores become float32: a larger one would be inf
 
 
 def score_reward(
@@ -82,31 +81,11 @@ def score_reward(
             f"reward function {name} returned ({len(scores)},) scores for {len(responses)} responses",
             fix="return one float per response",
         )
-    if not all(math.isfinite(s) for s in scores):
-        raise DataError(f"reward function {name} returned a non-finite score", fix="return finite floats")
+    if not all(math.isfinite(s) and abs(s) <= FLOAT32_MAX for s in scores):
+        raise DataError(
+            f"reward function {name} returned a non-finite score (or one beyond float32's range)", fix="return finite floats"
+        )
     return scores, {k: sum(v) / len(v) for k, v in extras.items()}
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
-class RewardWorker:
-    """Holds the run's reward functions; one call at a time."""
-
-    def __init__(self, fns: dict[str, RewardFn], names: dict[str, str]) -> None:
-        self.fns, self.names = fns, names
-
-    def score(
-        self, role: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]], offset: int = 0
-    ) -> tuple[list[float], dict[str, float]]:
-        return score_reward(self.fns[role], self.names.get(role, role), prompts, responses, columns, offset=offset)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def imported(self, module: str) -> bool:
-        """Whether this process has imported ``module`` (tests: a reward process holds no torch)."""
-        import sys
-
-        return module in sys.modules
-
-
-__all__ = ["RewardFn", "RewardWorker", "score_reward"]
+__all__ = ["FLOAT32_MAX", "RewardFn", "score_reward"]

@@ -19,7 +19,8 @@ import ray
 import torch
 
 from flowc.errors import DataError, RuntimeFailure
-from flowc.runtime.reward_calls import RewardFn, RewardWorker
+from flowc.runtime.reward_calls import RewardFn
+from flowc.runtime.reward_worker import RewardWorker
 
 
 class Rewards:

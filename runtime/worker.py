@@ -235,7 +235,7 @@ class WorkerGroup:
         except ray.exceptions.GetTimeoutError as e:
             raise WorkerTimeout(
                 f"worker group {name}: {size} bundles of {bundle} could not be placed within {timeout_s:.0f} s",
-                fix="give the cluster more CPUs/GPUs (ray status shows what it has) or plan for fewer devices",
+                fix="give the cluster more CPUs/GPUs (ray.cluster_resources() shows what it has) or plan for fewer devices",
             ) from e
         threads = max(1, int(cpus_per_worker))
         self.workers = [

@@ -170,14 +170,16 @@ CPU_KV_MARGIN = 1.1  # over the plan's figure: its rounding to 0.1 MB, block tab
 
 def cpu_kv_cache_bytes(init: EngineInit) -> int:
     """The KV cache a CPU engine allocates: the plan's figure (the whole blocks its concurrent
-    sequences hold) with a margin, and at least one sequence of ``max_model_len`` tokens in whole
-    blocks (vLLM refuses to start with less); 1 GiB when the plan gave none."""
+    sequences hold) with a margin of 10 % and at least one block, and never less than one sequence
+    of ``max_model_len`` tokens in whole blocks plus the block vLLM holds back (its null block;
+    with less it refuses to start); 1 GiB when the plan gave none."""
     if init.kv_cache_bytes <= 0:
         return CPU_KV_FALLBACK_BYTES
     config = json.loads((Path(init.source) / "config.json").read_text())
     spec = ModelSpec.from_hf_config(config, init.role).model_copy(update={"dtype": init.dtype})
-    one = kv_tokens_held(init.max_model_len, "vllm", "cpu") * spec.kv_bytes_per_token
-    return max(math.ceil(init.kv_cache_bytes * CPU_KV_MARGIN), one)
+    block = kv_tokens_held(1, "vllm", "cpu") * spec.kv_bytes_per_token
+    one = kv_tokens_held(init.max_model_len, "vllm", "cpu") * spec.kv_bytes_per_token + block
+    return max(math.ceil(init.kv_cache_bytes * CPU_KV_MARGIN), init.kv_cache_bytes + block, one)
 
 
 class WeightReceiver:
@@ -244,14 +246,14 @@ class VllmRollout:
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
 
     def describe(self) -> dict[str, Any]:
-        """The KV cache vLLM allocated: its bytes (the plan's on CPUs), blocks and tokens."""
+        """The KV cache vLLM allocated: its blocks and tokens (one block is vLLM's null block),
+        and on CPUs its bytes (the plan's)."""
         cache = self.llm.llm_engine.vllm_config.cache_config
         blocks = int(cache.num_gpu_blocks or 0)
-        return {
-            "kv_cache_bytes": int(cache.kv_cache_memory_bytes or 0),
-            "kv_cache_blocks": blocks,
-            "kv_cache_tokens": blocks * int(cache.block_size),
-        }
+        out = {"kv_cache_blocks": blocks, "kv_cache_tokens": blocks * int(cache.block_size)}
+        if cache.kv_cache_memory_bytes:  # set on CPUs (the plan's); GPUs size it from gpu_memory_utilization
+            out["kv_cache_bytes"] = int(cache.kv_cache_memory_bytes)
+        return out
 
     # ------------------------------------------------------------ generate
     @staticmethod

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from flowc.errors import DataError
 from flowc.rewards import adapt
@@ -57,13 +58,20 @@ def test_a_pool_shares_a_call_among_its_processes(ray_cluster):
         pool.stop()
 
 
+def verl_match(data_source, solution_str, ground_truth):
+    return float(solution_str == ground_truth)
+
+
 def test_a_reward_process_holds_no_torch(ray_cluster):
-    """The built-in task's reward needs no torch, so its process loads none (a second copy of
-    torch is ~250 MB resident per reward worker); scores still come back as one float32 tensor."""
-    pool = Rewards({"r": exact_match}, {}, timeout_s=60)
+    """The built-in task's reward and a verl-convention one (behind flowc's adapter) need no torch,
+    so their process loads none (a second copy of torch is ~250 MB resident per reward worker);
+    scores still come back as one float32 tensor."""
+    pool = Rewards({"r": exact_match, "v": adapt(verl_match)}, {}, timeout_s=60)
     try:
         got = pool.score("r", ["1+1=", "2+2="], ["2", "5"], {"answer": ["2", "4"]}, where="test")
-        assert got.dtype.is_floating_point and got.tolist() == [1.0, 0.0]
+        assert got.dtype == torch.float32 and got.tolist() == [1.0, 0.0]
+        verl_cols = {"data_source": ["d"] * 2, "reward_model": [{"ground_truth": "1"}] * 2}
+        assert pool.score("v", ["p"] * 2, ["1", "2"], verl_cols, where="test").tolist() == [1.0, 0.0]
         assert not ray.get(pool._actors()[0].imported.remote("torch"))
     finally:
         pool.stop()

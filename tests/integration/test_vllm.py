@@ -180,6 +180,6 @@ def test_grpo_with_vllm_matches_the_trainer_after_training_steps(ray_cluster, tm
         assert plan_kv > 0 and init.kv_cache_bytes == round(plan_kv * 1e9)
         built = [e for w in ctl.describe().values() for x in w for k, e in x["engines"].items() if "rollout" in k]
         assert built and all(e["kv_cache_bytes"] == cpu_kv_cache_bytes(init) < 2**27 for e in built)  # was 1 GiB
-        assert all(e["kv_cache_tokens"] >= init.max_model_len for e in built)
+        assert all(e["kv_cache_tokens"] - 128 >= init.max_model_len for e in built)  # beside vLLM's null block
     finally:
         ctl.shutdown()

@@ -171,5 +171,7 @@ def test_scores_must_be_numbers_one_per_response():
         score_reward(lambda p, r: [[1.0]], "s", ["p"], ["x"], {})
     with pytest.raises(DataError, match="non-finite"):
         score_reward(lambda p, r: [float("nan")], "s", ["p"], ["x"], {})
+    with pytest.raises(DataError, match="float32"):  # it would be inf once a float32 tensor
+        score_reward(lambda p, r: [1e39], "s", ["p"], ["x"], {})
     assert score_reward(lambda p, r: np.array([1, 0.5]), "s", ["p"] * 2, ["x"] * 2, {})[0] == [1.0, 0.5]
     assert score_reward(lambda p, r: torch.tensor([True, False]), "s", ["p"] * 2, ["x"] * 2, {})[0] == [1.0, 0.0]

@@ -449,7 +449,8 @@ def test_hf_samples_are_a_function_of_each_rows_seed():
 
 def test_a_cpu_vllm_engine_allocates_the_plans_kv_cache():
     """The plan's KV figure with a 10 % margin; never less than one sequence of max_model_len
-    tokens in whole 128-token blocks (vLLM's CPU block); 1 GiB when the plan gave none."""
+    tokens in whole 128-token blocks (vLLM's CPU block) plus vLLM's null block; 1 GiB when the
+    plan gave none."""
     from flowc.ir.plan import Layout
     from flowc.runtime.backends import EngineInit
     from flowc.runtime.backends.vllm import cpu_kv_cache_bytes
@@ -459,7 +460,9 @@ def test_a_cpu_vllm_engine_allocates_the_plans_kv_cache():
     planned = EngineInit(**base, dtype="float32", max_model_len=40, kv_cache_bytes=10_000_000)
     assert cpu_kv_cache_bytes(planned) == 11_000_000
     tiny = EngineInit(**base, dtype="bfloat16", max_model_len=200, kv_cache_bytes=1000)
-    assert cpu_kv_cache_bytes(tiny) == 256 * per_token * 2  # one 200-token sequence holds two blocks
+    assert cpu_kv_cache_bytes(tiny) == (256 + 128) * per_token * 2  # a 200-token sequence: two blocks, + the null one
+    few = EngineInit(**base, dtype="float32", max_model_len=40, kv_cache_bytes=3 * 128 * per_token * 4)
+    assert cpu_kv_cache_bytes(few) == 4 * 128 * per_token * 4  # 3 blocks + 10 % is not a 4th block: one is added
     assert cpu_kv_cache_bytes(EngineInit(**base, dtype="float32", max_model_len=40)) == 2**30
 
 
@@ -470,6 +473,7 @@ def test_small_values_travel_inline_and_bulk_ones_by_reference():
     bulk = torch.zeros(INLINE_BYTES // 4 + 1)
     assert nbytes(small) == 24 and nbytes(bulk) > INLINE_BYTES
     assert nbytes(["ab", "c"]) == 3 and nbytes([object()]) > INLINE_BYTES  # unknown sizes count as large
+    assert nbytes(bulk[:2]) > INLINE_BYTES  # a view pickles its whole storage
     store = {"r1": torch.full((2, 2), 7.0)}
     fetched: list[list[str]] = []
 
@@ -482,3 +486,27 @@ def test_small_values_travel_inline_and_bulk_ones_by_reference():
     assert fetched == [["r1"]] and torch.equal(got, torch.cat([small[1:], store["r1"]]))
     fetched.clear()
     assert torch.equal(assemble(Sharded((Inline(small),), (3,)).pieces(0, 3), fetch), small) and fetched == []
+
+
+def test_a_lean_head_puts_rays_start_methods_back_even_when_init_fails(monkeypatch):
+    """While a local head starts, the autoscaler monitor and the API server are not started; the
+    methods are Ray's again afterwards, also when ray.init raised; FLOWC_RAY_FULL_HEAD=1 keeps them."""
+    import ray
+
+    from flowc.runtime import ray_session
+
+    class FakeNode:
+        def start_monitor(self):
+            return "monitor"
+
+        def start_api_server(self, **kw):
+            return "api"
+
+    monkeypatch.setattr(ray._private.node, "Node", FakeNode)
+    with pytest.raises(RuntimeError), ray_session._lean_head():
+        assert FakeNode().start_monitor() is None and FakeNode().start_api_server(include_dashboard=False) is None
+        raise RuntimeError("ray.init failed")
+    assert FakeNode().start_monitor() == "monitor" and FakeNode().start_api_server() == "api"
+    monkeypatch.setenv("FLOWC_RAY_FULL_HEAD", "1")
+    with ray_session._lean_head():
+        assert FakeNode().start_monitor() == "monitor"
