@@ -88,8 +88,6 @@ def main() -> None:
     ray.get([t.sync.remote({}), s.score.remote([])])
     from ray.dag import InputNode
 
-    with InputNode() as inp:
-        dag = t.sync.bind(t.update_from.bind(s.score_rollout.bind(t.generate.bind(inp))))
     timings: dict[str, list[float]] = {"calls": [], "refs": [], "compiled": []}
     try:
         for _ in range(args.rounds):
@@ -100,6 +98,8 @@ def main() -> None:
                 for _ in range(args.steps):
                     fn(t, s, prompts)
                 timings[name].append((time.perf_counter() - t0) / args.steps * 1e6)
+            with InputNode() as inp:  # a DAG compiles once: a new one each round
+                dag = t.sync.bind(t.update_from.bind(s.score_rollout.bind(t.generate.bind(inp))))
             compiled = dag.experimental_compile()
             try:
                 for _ in range(20):
