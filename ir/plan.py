@@ -74,7 +74,12 @@ class Layout(BaseModel):
         offload_params: parameters live in host memory between uses.
         offload_optimizer: optimizer states (and the step) live in host memory.
         activation_checkpointing: recompute activations in the backward pass.
-        micro_batch: sequences per device per micro-step.
+        micro_batch: sequences per device per micro-step (of the workload's longest length,
+            when ``micro_tokens`` bounds the micro-batches).
+        micro_tokens: token budget of one micro-batch (rows × their padded width, per
+            device); 0: micro-batches of ``micro_batch`` rows. With a budget the runtime
+            sorts a replica's rows by length and fills each micro-batch up to it, so short
+            rows share one and padding stays within rows of similar length.
     """
 
     model_config = _FROZEN
@@ -89,6 +94,13 @@ class Layout(BaseModel):
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
     micro_batch: int = Field(1, ge=1)
+    micro_tokens: int = Field(0, ge=0)
+
+    @property
+    def micro_label(self) -> str:
+        """The micro-batch as ``why`` and the plan text show it: ``mb≤4096tok`` (a token
+        budget) or ``mb8`` (rows)."""
+        return f"mb≤{self.micro_tokens}tok" if self.micro_tokens else f"mb{self.micro_batch}"
 
     @property
     def world(self) -> int:

@@ -91,7 +91,7 @@ def _roles(plan: Plan) -> list[str]:
                 f"dp{pp.dp} tp{pp.tp} pp{pp.pp}" + (f" cp{pp.cp}" if pp.cp > 1 else "") + (f" ep{pp.ep}" if pp.ep > 1 else "")
             )
             backend = (
-                lay.backend + (f" [{','.join(flags)}]" if flags else "") + (f" mb{lay.micro_batch}" if ph != "generate" else "")
+                lay.backend + (f" [{','.join(flags)}]" if flags else "") + (f" {lay.micro_label}" if ph != "generate" else "")
             )
             gb = [f"{x:.1f}" for x in (m.weights, m.gradients, m.optimizer, m.activations, m.kv_cache, m.buffers, m.other_roles)]
             total = f"{pp.memory_gb_per_device:.1f}/{pp.capacity_gb:.0f}"

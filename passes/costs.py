@@ -197,9 +197,32 @@ def replica_sequences(d: Demand, lay: Layout, *, train: bool) -> float:
     return d.sequences * d.passes / (d.updates if train else 1) / lay.dp
 
 
+def padded_seq_len(d: Demand, lay: Layout, seqs_per_replica: float) -> float:
+    """Mean tokens per sequence as the runtime pads them: each micro-batch is as wide as its
+    longest row. Responses range up to ``R`` around their mean; a micro-batch of ``m`` rows
+    taken in order is padded a share ``1 - 1/m`` of that spread, and a token budget (rows
+    sorted by length, ``k`` micro-batches of similar lengths) a share ``(1 - 1/s)/k`` of
+    it, where ``s`` is the replica's rows. With no mean given (every response at ``R``) there
+    is no padding."""
+    spread = d.response_len - d.mean_response_len
+    s = max(seqs_per_replica, 1.0)
+    if spread <= 0 or s <= 1:
+        return d.seq_len
+    if lay.micro_tokens:
+        k = max(1, math.ceil(s * d.seq_len / lay.cp / lay.micro_tokens))
+        share = (1.0 - 1.0 / s) / k
+    else:
+        share = 1.0 - 1.0 / min(float(lay.micro_batch), s)
+    return d.seq_len + spread * share
+
+
 def _tokens_per_micro(lay: Layout, seq_len: float, seqs_per_replica: float) -> float:
-    """Tokens of one micro-batch; a micro-batch never holds more sequences than its replica has."""
-    return min(lay.micro_batch, max(seqs_per_replica, 1.0)) * seq_len / lay.cp
+    """Tokens of one micro-batch (``seq_len`` padded per sequence) on one device: never more
+    than its replica has, nor than the layout's token budget."""
+    rows = max(seqs_per_replica, 1.0)
+    if lay.micro_tokens:
+        return min(float(lay.micro_tokens), rows * seq_len / lay.cp)
+    return min(lay.micro_batch, rows) * seq_len / lay.cp
 
 
 def _param_tensors(m: ModelSpec) -> int:
@@ -302,7 +325,11 @@ def buffers_gb(m: ModelSpec, lay: Layout, hw: Hw) -> float:
 
 
 # -------------------------------------------------------------------- time
-def _micro_batches(seqs_per_replica: float, lay: Layout) -> int:
+def _micro_batches(seqs_per_replica: float, lay: Layout, seq_len: float) -> int:
+    """Micro-batches per replica and pass: rows over the micro-batch, or padded tokens (per
+    device) over the token budget."""
+    if lay.micro_tokens:
+        return max(1, math.ceil(seqs_per_replica * seq_len / lay.cp / lay.micro_tokens))
     return max(1, math.ceil(seqs_per_replica / lay.micro_batch))
 
 
@@ -320,14 +347,15 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     """Time and memory of ``update`` with layout ``lay`` (``d.updates`` optimizer steps)."""
     devices = lay.world
     seqs_per_dp = replica_sequences(d, lay, train=True)
-    mbs = _micro_batches(seqs_per_dp, lay)
-    t_micro = _tokens_per_micro(lay, d.seq_len, seqs_per_dp)
+    padded = padded_seq_len(d, lay, seqs_per_dp)  # what the micro-batches compute on, padding included
+    mbs = _micro_batches(seqs_per_dp, lay, padded)
+    t_micro = _tokens_per_micro(lay, padded, seqs_per_dp)
     eff = hw.eff.train * (hw.eff.moe_train if m.is_moe else 1.0) * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
-    flops = train_flops(m, d.tokens, d.seq_len, recompute=lay.activation_checkpointing)
+    flops = train_flops(m, d.tokens * padded / d.seq_len, padded, recompute=lay.activation_checkpointing)
     if m.lora is not None and m.lora.enabled:  # frozen weights get no weight gradients: those backward GEMMs drop out
         flops -= 2.0 * d.tokens * max(matmul_params(m) - m.trained_params, 0)
     compute = flops / (devices * hw.peak * eff)
-    tokens_per_rank = d.tokens / lay.dp / lay.cp
+    tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
     wb = m.bytes_per_param  # compute dtype: activations, gathered weights
     h2 = m.hidden_size * wb
@@ -417,11 +445,12 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     :func:`train_cost`, so only the transient part is added here."""
     devices = lay.world
     seqs_per_dp = replica_sequences(d, lay, train=False)
-    mbs = _micro_batches(seqs_per_dp, lay)
-    t_micro = _tokens_per_micro(lay, d.seq_len, seqs_per_dp)
+    padded = padded_seq_len(d, lay, seqs_per_dp)
+    mbs = _micro_batches(seqs_per_dp, lay, padded)
+    t_micro = _tokens_per_micro(lay, padded, seqs_per_dp)
     eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
-    compute = forward_flops(m, d.tokens, d.seq_len) / (devices * hw.peak * eff)
-    tokens_per_rank = d.tokens / lay.dp / lay.cp
+    compute = forward_flops(m, d.tokens * padded / d.seq_len, padded) / (devices * hw.peak * eff)
+    tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
     wb = m.bytes_per_param  # compute dtype: activations, gathered weights
     h2 = m.hidden_size * wb

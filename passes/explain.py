@@ -109,7 +109,7 @@ def _oom_alternative(role: str, unit: str, o: UnitOption, cap: float) -> Alterna
     phase = "train" if "train" in o.layouts else "forward"
     lay = o.layouts[phase]
     return Alternative(
-        summary=f"{unit} {lay.short()} mb{lay.micro_batch} ({lay.backend}) on {o.devices}",
+        summary=f"{unit} {lay.short()} {lay.micro_label} ({lay.backend}) on {o.devices}",
         step_time_s=None,
         tokens_per_s=None,
         rejected_because=f"OOM: needs {o.need_gb:.1f} GB of {cap:.1f} GB on {role}.{phase}",
@@ -235,11 +235,11 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
             extra = ""
             if opts.oom is not None:
                 o2 = opts.oom.layouts.get("train", opts.oom.layouts.get("forward"))
-                extra = f"; the faster {o2.short()} mb{o2.micro_batch} needs {opts.oom.need_gb:.1f} GB"
+                extra = f"; the faster {o2.short()} {o2.micro_label} needs {opts.oom.need_gb:.1f} GB"
             elif opts.front and opts.front[0] is not o:
                 f0 = opts.front[0].layouts.get("train", opts.front[0].layouts.get("forward"))
-                extra = f"; its fastest layout alone ({f0.short()} mb{f0.micro_batch}) leaves too little memory for the roles it shares devices with"
-            lines.append(f"{u}: {lay.short()} mb{lay.micro_batch} ({lay.backend}), {o.resident_gb:.1f} GB resident{extra}.")
+                extra = f"; its fastest layout alone ({f0.short()} {f0.micro_label}) leaves too little memory for the roles it shares devices with"
+            lines.append(f"{u}: {lay.short()} {lay.micro_label} ({lay.backend}), {o.resident_gb:.1f} GB resident{extra}.")
     for r in plan_body["reshards"]:
         if (r.dst_phase == "generate" and r.method != "in_place") or r.bytes_per_device > 0:
             lines.append(

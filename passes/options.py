@@ -23,6 +23,7 @@ from flowc.passes.units import Unit
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FRONT_LIMIT = 8
+MICRO_FIELDS = ("micro_batch", "micro_tokens")  # what grows a layout's memory along one chain
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,29 @@ class OptionTable:
                                             micro_batch=mb,
                                         )
                                     )
+        out = self._budgeted(u, out, pin.micro_tokens)
         return [lay for lay in out if pin.allows(lay) and self.pins.within_limits(lay)]
+
+    def _budgeted(self, u: Unit, layouts: list[Layout], pinned: int | None) -> list[Layout]:
+        """Token budgets for the micro-batches wherever the backend runs them: ``micro_batch``
+        rows of the workload's longest length (what memory is priced at), so shorter rows
+        share a micro-batch and are binned by length. Megatron's pipeline schedule pads every
+        micro-batch to one shape, so with pp > 1 micro-batches stay rows. A pinned budget
+        (``micro_tokens``) fixes it; a pinned 0 keeps row micro-batches."""
+        dem = self.demand[u.update_op or u.ops[-1]]
+        longest = dem.prompt_len + dem.response_len
+        out = []
+        for lay in layouts:
+            if lay.backend == "megatron" and lay.pp > 1:
+                budget = 0
+            elif pinned is not None:
+                budget = pinned
+                if pinned:  # the rows of the longest length the pinned budget holds
+                    lay = lay.model_copy(update={"micro_batch": max(1, pinned // (longest // lay.cp or 1))})
+            else:
+                budget = lay.micro_batch * max(longest // lay.cp, 1)
+            out.append(lay.model_copy(update={"micro_tokens": budget}))
+        return list(dict.fromkeys(out))  # a pinned budget maps every micro-batch to the same layout
 
     def _forward_layouts(self, u: Unit, m: ModelSpec, d: int) -> list[Layout]:
         out: list[Layout] = []
@@ -218,6 +241,7 @@ class OptionTable:
                                         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, backend="megatron", offload_params=off, micro_batch=mb
                                     )
                                 )
+        out = self._budgeted(u, out, self.pins.phase(u.role, "forward").micro_tokens)
         return [lay for lay in out if self.pins.allows(u.role, "forward", lay)]
 
     def generation_refusal(self, u: Unit, d: int) -> str:
@@ -284,7 +308,7 @@ class OptionTable:
         # micro-batches in ascending order and stop a layout at its first miss.
         chains: dict[tuple, list[Layout]] = {}
         for lay in sorted(layouts, key=lambda lay: lay.micro_batch):
-            chains.setdefault(tuple(v for k, v in lay.__dict__.items() if k != "micro_batch"), []).append(lay)
+            chains.setdefault(tuple(v for k, v in lay.__dict__.items() if k not in MICRO_FIELDS), []).append(lay)
         priced: list[UnitOption] = []
         misses: list[tuple[list[Layout], int, UnitOption]] = []  # (chain, index of its first miss, its price)
         for chain in chains.values():

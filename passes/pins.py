@@ -44,6 +44,7 @@ class PhasePin(BaseModel):
     offload_optimizer: bool | None = None
     activation_checkpointing: bool | None = None
     micro_batch: int | None = Field(None, ge=1)
+    micro_tokens: int | None = Field(None, ge=0)
     devices: int | None = Field(None, ge=1)
 
     def layout_fields(self) -> dict[str, Any]:

@@ -227,7 +227,7 @@ def _infeasible(units: tuple[str, ...], d: int, reason: str) -> PoolChoice:
 
 def _oom_text(o: UnitOption, cap: float, host_cap: float) -> str:
     lay = o.layouts.get("train") or o.layouts.get("forward")
-    shown = f"{lay.short()} mb{lay.micro_batch}" if lay else "?"
+    shown = f"{lay.short()} {lay.micro_label}" if lay else "?"
     if o.need_gb > cap:
         return f"needs {o.need_gb:.1f} GB of {cap:.1f} GB per device with its leanest layout ({shown})"
     return f"its leanest layout ({shown}) offloads {o.host_gb:.1f} GB per device to host memory, of {host_cap:.1f} GB"

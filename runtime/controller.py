@@ -47,7 +47,7 @@ from flowc.runtime.batches import (
 )
 from flowc.runtime.checkpoints import CheckpointDir
 from flowc.runtime.data import Records, RewardFn, tokenize_pairs, tokenize_prompts
-from flowc.runtime.program import EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step
+from flowc.runtime.program import MICRO_ARGS, EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step, micro_args
 from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.rewards import Rewards
 from flowc.runtime.worker import WorkerGroup
@@ -436,7 +436,9 @@ class Controller:
         per = self._per_rank({"rollout": rollout}, e.layout.dp)
         replica = replica_of(e.layout)
         out = wg.call(
-            "run", per_rank=[(e.key, st.op, per[replica[r]], {"micro": st.args["micro"]}) for r in range(wg.size)], num_returns=2
+            "run",
+            per_rank=[(e.key, st.op, per[replica[r]], {k: st.args[k] for k in MICRO_ARGS}) for r in range(wg.size)],
+            num_returns=2,
         )
         counts = [hi - lo for lo, hi in even_split(rollout.rows, e.layout.dp)]
         return Sharded(tuple(out[r][0] for r in output_ranks(e.layout)), tuple(counts)), [o[1] for o in out]
@@ -458,7 +460,7 @@ class Controller:
             "kl_kind": node.kwargs.get("kl_kind", DEFAULT_KL_KIND),  # unused without ref_logprobs (kl_coef 0)
             "entropy_coef": float(node.kwargs.get("entropy_coef", 0.0)),
             "epochs": w.epochs,
-            "micro": st.args["micro"],
+            **{k: st.args[k] for k in MICRO_ARGS},
         }
         args = [{**base, "mini_sizes": [b - a for a, b in ranges[r]]} for r in range(e.layout.dp)]
         replica = replica_of(e.layout)
@@ -644,7 +646,7 @@ class Controller:
         self._wait(gen, metas, "generate")
         train_key = EngineKey(role, EngineKind.TRAIN)
         tg, te = self.p.engine(train_key)
-        check = Step(-1, Op.LOGPROBS, "check", tg.name, train_key, (), {"micro": te.layout.micro_batch})
+        check = Step(-1, Op.LOGPROBS, "check", tg.name, train_key, (), micro_args(te.layout))
         trained, tmeta = self._forward(check, rollout)
         self._wait(gen, tmeta, "trainer log-probabilities")
         wg, ge = self._group_of(gen.engine)

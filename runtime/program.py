@@ -72,7 +72,7 @@ class EngineSpec:
         return self.key.role
 
     def __str__(self) -> str:
-        return f"{self.key}[{self.layout.backend} {self.layout.short()} mb{self.layout.micro_batch}]"
+        return f"{self.key}[{self.layout.backend} {self.layout.short()} {self.layout.micro_label}]"
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ def _placement(plan: Plan, g: FlowGraph, n) -> tuple[str | None, EngineKey | Non
         if n.op == Op.GENERATE:
             args: dict[str, object] = {k: v for k, v in n.kwargs.items() if not hasattr(v, "node")}
         else:
-            args = {"micro": pp.layout.micro_batch}
+            args = micro_args(pp.layout)
         return pp.pool, key, args
     if n.op == Op.WEIGHT_SYNC:
         r = plan.generation_sync(n.role)
@@ -285,3 +285,12 @@ def _placement(plan: Plan, g: FlowGraph, n) -> tuple[str | None, EngineKey | Non
 
 def _workload(plan: Plan) -> WorkloadSpec:
     return WorkloadSpec(**plan.workload)
+
+
+MICRO_ARGS = ("micro", "micro_tokens")
+
+
+def micro_args(layout: Layout) -> dict[str, int]:
+    """How a forward or update op cuts its rows into micro-batches: ``micro`` rows, or with
+    ``micro_tokens`` a token budget (rows binned by length; see ``backends.training``)."""
+    return {"micro": layout.micro_batch, "micro_tokens": layout.micro_tokens}

@@ -283,17 +283,20 @@ class MegatronTrainer:
             return out
 
         items = iter(list(enumerate(zip(parts, packs, strict=True))))
-        # pipeline stages exchange [S, B, H] activations of one fixed shape: pad every micro-batch to it
+        # pipeline stages exchange [S, B, H] activations of one fixed shape: pad every micro-batch to it;
+        # without a pipeline each runs at its own shape (token-budget micro-batches differ in rows and width)
         shape = (max(p.ids.shape[0] for p in packs), max(p.ids.shape[1] for p in packs))
+        fixed = self.deg.pp > 1
 
         def step(data: Iterator[Any], model: Any) -> tuple[torch.Tensor, Any]:
             i, (part, packed) = next(data)
             n, s = packed.ids.shape
-            ids = torch.zeros(shape, dtype=packed.ids.dtype)
+            rows, width = shape if fixed else (n, s)
+            ids = torch.zeros((rows, width), dtype=packed.ids.dtype)
             ids[:n, :s] = packed.ids
             ids = ids.to(dev)
-            pos = torch.arange(shape[1], device=dev).unsqueeze(0).expand_as(ids)
-            causal = torch.ones((1, 1, shape[1], shape[1]), dtype=torch.bool, device=dev).triu(1)
+            pos = torch.arange(width, device=dev).unsqueeze(0).expand_as(ids)
+            causal = torch.ones((1, 1, width, width), dtype=torch.bool, device=dev).triu(1)
             out = model(ids, pos, causal)
             return out, lambda o, i=i, part=part, packed=packed, n=n: loss_fn(i, part, packed, o[:n])
 

@@ -29,7 +29,11 @@ from flowc.ir.losses import PREFERENCE_LOSSES, aggregate, denominator_kind, dpo_
 from flowc.ir.ops import RoleKind
 from flowc.ir.run_config import OptimConfig
 from flowc.runtime.backends import Score, Trainer, built_backend
-from flowc.runtime.batches import even_split, num_rows, slice_rows
+from flowc.runtime.batches import even_split, num_rows, slice_rows, take_rows
+
+# statistics a micro-batch reports as its share of the mini-batch's loss (divided by the whole
+# mini-batch's denominator): they add up over micro-batches, where the others are averaged
+LOSS_SHARES = ("pg_loss", "vf_loss")
 
 
 def lr_at(cfg: OptimConfig, update: int, total: int) -> float:
@@ -66,6 +70,33 @@ def chunk_ranges(rows: int, k: int, unit: int = 1) -> Iterator[tuple[int, int]]:
         yield lo * unit, hi * unit
 
 
+def token_bins(r: Rollout, budget: int, unit: int = 1) -> list[torch.Tensor]:
+    """Rows of ``r`` in micro-batches of at most ``budget`` padded tokens each: a micro-batch
+    costs its rows × the prompt and response width it keeps once trimmed. Rows are taken
+    longest response first (then longest prompt), so each micro-batch holds rows of similar
+    length and short rows share one; a unit wider than the budget on its own runs alone.
+    Units of ``unit`` rows (DPO's pairs) stay together. Each micro-batch's rows are in
+    their original order."""
+    n = num_rows(r) // unit
+    if n == 0:
+        return []
+    p = r.prompt_mask.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
+    q = r.response_mask.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
+    order = sorted(range(n), key=lambda i: (-q[i], -p[i], i))
+    bins: list[list[int]] = []
+    cur: list[int] = []
+    wp = wq = 0
+    for i in order:
+        np_, nq = max(wp, p[i]), max(wq, q[i])
+        if cur and (len(cur) + 1) * unit * (np_ + nq) > budget:
+            bins.append(cur)
+            cur, np_, nq = [], p[i], q[i]
+        cur.append(i)
+        wp, wq = np_, nq
+    bins.append(cur)
+    return [torch.tensor([u * unit + j for u in sorted(b) for j in range(unit)], dtype=torch.long) for b in bins]
+
+
 def minibatch_bounds(role: str, mini_sizes: list[int], rows: int) -> list[tuple[int, int]]:
     """Row ranges of the mini-batches: ``mini_sizes[k]`` rows, in order, belong to mini-batch k."""
     bounds, start = [], 0
@@ -88,12 +119,15 @@ def objective(
     entropy_coef: float,
     denom: float,
     score: Score,
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """A role's training objective on one micro-batch and its statistics:
     ``score(with_entropy)`` runs the model (log-probabilities and entropy for a
-    policy, values for a critic)."""
+    policy, values for a critic). ``max_len``: the response limit a constant
+    normaliser divides by (``seq-mean-token-sum-norm``), the same for every
+    micro-batch however its padding was trimmed (default: this micro-batch's width)."""
     mask = r.response_mask
-    max_len = r.response_ids.shape[1]
+    max_len = max_len or r.response_ids.shape[1]
     if kind == RoleKind.POLICY and isinstance(spec, PREFERENCE_LOSSES):
         if "ref_logprobs" not in t:
             raise DataError(f"{role}.update with {spec} got no ref_logprobs")
@@ -132,45 +166,51 @@ class TrainEngine:
         self.micro_batches = 0  # of the last op: what the plan's micro_batch made of this replica's rows
 
     # -------------------------------------------------------- micro-batches
-    def split(self, r: Rollout, micro: int, unit: int = 1) -> tuple[list[Rollout], list[int]]:
-        """This replica's rows in micro-batches of at most ``micro`` rows (the count agreed by every
-        rank of the pool, padded with one-row micro-batches where a replica has fewer), padding
-        trimmed; and the real rows of each."""
+    def split(self, r: Rollout, micro: int, unit: int = 1, tokens: int = 0) -> tuple[list[Rollout], list[torch.Tensor]]:
+        """This replica's rows in micro-batches, padding trimmed: ``micro`` rows each in order,
+        or with a token budget ``tokens`` binned by length (:func:`token_bins`). Their count is
+        agreed by every rank of the pool (a replica with fewer runs one-row padding
+        micro-batches). Returns the micro-batches and the rows of ``r`` each holds (empty
+        for padding)."""
         rows = num_rows(r)
-        k = self.b.agree(max(1, math.ceil(rows // unit / max(1, micro // unit))))
-        parts, real = [], []
-        for lo, hi in chunk_ranges(rows, k, unit):
-            parts.append(trim(slice_rows(r, lo, hi) if hi > lo else slice_rows(r, 0, unit)))
-            real.append(hi - lo)
+        if tokens:
+            bins = token_bins(r, tokens, unit)
+        else:
+            k = max(1, math.ceil(rows // unit / max(1, micro // unit)))
+            bins = [torch.arange(lo, hi) for lo, hi in chunk_ranges(rows, k, unit)]
+        k = self.b.agree(len(bins))
+        bins += [torch.arange(0)] * (k - len(bins))
+        parts = [trim(take_rows(r, idx) if len(idx) else slice_rows(r, 0, unit)) for idx in bins]
         self.micro_batches = k
-        return parts, real
+        return parts, bins
 
     # -------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, r: Rollout, micro: int) -> torch.Tensor | None:
+    def forward(self, r: Rollout, micro: int, tokens: int = 0) -> torch.Tensor | None:
         """Log-probabilities (policy, reference) or values (critic) ``[n, R]`` of the rows, or a
         reward model's scores ``[n]`` (its value at the last response token); None on ranks
         whose outputs the controller does not keep."""
         width = r.response_ids.shape[1]
-        parts, real = self.split(r, micro)
+        parts, bins = self.split(r, micro, tokens=tokens)
+        real = [len(idx) for idx in bins]
         # each micro-batch's outputs leave the device as soon as they exist (the rest of the batch runs beside them)
         got = self.b.run(parts, real, lambda i, part, score: (None, {"out": _host(score(False))}), train=False)
         if got is None:
             return None
         scores = self.init.kind == RoleKind.REWARD_MODEL
-        outs = []
-        for n, part, g in zip(real, parts, got, strict=True):
+        rows = num_rows(r)
+        out_all = torch.zeros(rows) if scores else torch.zeros((rows, width))
+        for idx, part, g in zip(bins, parts, got, strict=True):
+            n = len(idx)
             if n == 0:
                 continue
             out = g["out"][:n].float()
             if scores:  # a reward model scores a sequence at its last response token
                 last = (part.response_mask[:n].long().sum(-1) - 1).clamp(min=0)
-                outs.append(out.gather(1, last.unsqueeze(-1)).squeeze(-1))
+                out_all[idx] = out.gather(1, last.unsqueeze(-1)).squeeze(-1)
             else:
-                outs.append(pad_right(out, width))
-        if not outs:
-            return torch.zeros(0) if scores else torch.zeros((0, width))
-        return torch.cat(outs, dim=0)
+                out_all[idx] = pad_right(out, width)
+        return out_all
 
     # --------------------------------------------------------------- update
     def update(
@@ -185,6 +225,7 @@ class TrainEngine:
         mini_sizes: list[int],
         epochs: int,
         micro: int,
+        micro_tokens: int = 0,
     ) -> dict[str, float]:
         """Optimizer updates over this replica's rows: ``mini_sizes[k]`` rows (in order) belong
         to mini-batch k (see ``runtime.batches.minibatch_rows``), each epoch visits them all."""
@@ -195,7 +236,10 @@ class TrainEngine:
         bounds = minibatch_bounds(role, mini_sizes, num_rows(r))
         unit = 2 if isinstance(loss, PREFERENCE_LOSSES) else 1  # DPO's (chosen, rejected) rows stay together
         count_tokens = denominator_kind(loss.agg) == "tokens"
+        max_len = r.response_ids.shape[1]  # the generation limit the rollout is padded to, before any trimming
         sums: dict[str, float] = {}
+        losses: dict[str, float] = {}
+        minis = 0
         weight, norm_sum, lr = 0.0, 0.0, lr_at(cfg, self.updates, self.init.total_updates)
         for _epoch in range(epochs):
             for mlo, mhi in bounds:
@@ -203,27 +247,40 @@ class TrainEngine:
                 ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
                 local = float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)
                 denom = max(self.b.dp_sum(local), 1.0)  # every row of the mini-batch once: replicas hold disjoint rows
-                parts, real = self.split(mb, micro, unit)
-                starts = [sum(real[:i]) for i in range(len(real))]
+                parts, bins = self.split(mb, micro, unit, micro_tokens)
+                real = [len(idx) for idx in bins]
 
-                def fn(i: int, part: Rollout, score: Score, ts=ts, denom=denom, starts=starts, real=real):
-                    a, n = starts[i], real[i]
+                def fn(i: int, part: Rollout, score: Score, ts=ts, denom=denom, bins=bins):
+                    idx = bins[i]
                     width = part.response_ids.shape[1]
-                    pt = {k: slice_rows(v, a, a + n) if n else slice_rows(v, 0, unit) for k, v in ts.items()}
+                    pt = {k: take_rows(v, idx) if len(idx) else slice_rows(v, 0, unit) for k, v in ts.items()}
                     pt = {k: (v[:, :width] if v.dim() == 2 else v).to(part.response_ids.device) for k, v in pt.items()}
                     kind = self.init.kind
-                    return objective(kind, role, part, pt, loss, kl_coef, kl_kind, entropy_coef, denom, score)
+                    return objective(kind, role, part, pt, loss, kl_coef, kl_kind, entropy_coef, denom, score, max_len)
 
                 self.b.zero_grad()
                 got = self.b.run(parts, real, fn, train=True) or []
                 lr = lr_at(cfg, self.updates, self.init.total_updates)
                 norm_sum += self.b.step(lr) * (mhi - mlo)
                 self.updates += 1
-                for n, g in zip(real, got, strict=False):
+                shares: dict[str, float] = {}
+                # the other statistics are means over a micro-batch's tokens (over its pairs for DPO): weigh them so
+                weights = [
+                    float(n if unit == 2 else (part.response_mask.sum() if n else 0)) for n, part in zip(real, parts, strict=True)
+                ]
+                for w, g in zip(weights, got, strict=False):
                     for key, val in g.items():
-                        sums[key] = sums.get(key, 0.0) + val * n
-                    weight += n
-        out = self.b.share({k: v / max(weight, 1.0) for k, v in sums.items()})
+                        if key in LOSS_SHARES:
+                            shares[key] = shares.get(key, 0.0) + val
+                        else:
+                            sums[key] = sums.get(key, 0.0) + val * w
+                    weight += w
+                # this replica's mean loss: its shares of the mini-batch's loss over its share of the denominator
+                for key, val in shares.items():
+                    losses[key] = losses.get(key, 0.0) + val * denom / max(local, 1.0)
+                minis += 1
+        stats = {k: v / max(weight, 1.0) for k, v in sums.items()} | {k: v / max(minis, 1) for k, v in losses.items()}
+        out = self.b.share(stats)
         out["grad_norm"] = norm_sum / max(num_rows(r) * epochs, 1)
         out["lr"] = lr
         out["updates"] = float(self.updates)

@@ -101,8 +101,11 @@ def tp_worker(rank: int, world: int, init: str, out) -> None:
     lp = eng.forward(r, micro=4)  # two micro-batches
     hf = _hf(source)
     want = response_logprobs(hf, r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+    binned = eng.forward(r, micro=4, tokens=24)  # a token budget: rows binned by length, each micro-batch its own shape
+    res["binned_micro_batches"] = eng.micro_batches
     if rank == 0:
         res["forward_err"] = float(((lp - want.detach()) * r.response_mask).abs().max())
+        res["binned_err"] = float(((binned - want.detach()) * r.response_mask).abs().max())
     else:
         res["forward_none"] = lp is None
     # gradients of one objective, Megatron (tp=2) against HF
@@ -258,6 +261,7 @@ def _spawn(fn, *args) -> dict:
 def test_tensor_parallel_logprobs_gradients_and_weight_stream():
     res = _spawn(tp_worker)
     assert res[0]["forward_err"] < 1e-5, res[0]
+    assert res[0]["binned_err"] < 1e-5 and res[0]["binned_micro_batches"] >= 3, res[0]
     assert res[1]["forward_none"]  # only tp rank 0 of the last stage answers for its replica
     # a reward model's scores are transformers' (AutoModelForSequenceClassification), on both backends
     assert res[0]["reward_err"] < 1e-4 and res[0]["reward_fsdp_err"] < 1e-4 and res[0]["reward_scale"] > 0.1, res[0]

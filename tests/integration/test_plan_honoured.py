@@ -57,8 +57,9 @@ def test_layouts_dtype_and_worker_settings_are_followed(ray_cluster, tmp_path):
     assert plan["target"]["dtype"] == "float32" and plan["target"]["cpus_per_worker"] == 1.0
     sharded = not train["layout"]["fsdp"]  # the other of what the planner chose
     for ph in ("train", "forward"):
-        plan["roles"]["actor"]["phases"][ph]["layout"].update(fsdp=sharded, micro_batch=64)  # 256 rows a rank: 4 micro-batches
-    ref["layout"]["micro_batch"] = 32
+        # 256 rows a rank in micro-batches of 64 rows: 4 micro-batches
+        plan["roles"]["actor"]["phases"][ph]["layout"].update(fsdp=sharded, micro_batch=64, micro_tokens=0)
+    ref["layout"].update(micro_batch=32, micro_tokens=10**6)  # a token budget the 256 rows fit in: one micro-batch, not 8
     plan["target"].update(dtype="bfloat16", cpus_per_worker=2.0, timeout_s=321.0)
     # the weight sync of that layout: sharded weights are gathered whole, replicated ones are whole already
     method = "full_allgather" if sharded else "in_place"
@@ -80,7 +81,7 @@ def test_layouts_dtype_and_worker_settings_are_followed(ray_cluster, tmp_path):
             "micro_batches": 4,
         }
     for r in e["ref/forward"]:
-        assert r["sharded"] == ref["layout"]["fsdp"] and r["dtype"] == "bfloat16" and r["micro_batches"] == 8  # 256 rows / 32
+        assert r["sharded"] == ref["layout"]["fsdp"] and r["dtype"] == "bfloat16" and r["micro_batches"] == 1
     assert all(x["dtype"] == "bfloat16" and x["backend"] == "hf" for x in e["actor/rollout"])
     workers = [w for ws in described.values() for w in ws]
     assert all(w["threads"] == 2 and w["timeout_s"] == 321.0 for w in workers)

@@ -159,3 +159,30 @@ def test_a_cpu_plan_counts_each_worker_process_and_its_engine():
     assert vllm.memory.buffers == pytest.approx(base + core.rollout["vllm"].resident_gb)
     gpu = generate_cost(Q7, Layout(backend="vllm"), d, H100, free_gb=60.0)
     assert gpu.memory.buffers == pytest.approx(FIXED_BUFFERS_GB["gpu"])  # a GPU's host process is not device memory
+
+
+def test_padding_by_hand_and_token_budgets_bin_it_away():
+    """A micro-batch is as wide as its longest row. Responses of mean 256 up to 1024 tokens:
+    micro-batches of m rows in order pay a share 1 - 1/m of the 768-token spread, a token
+    budget (rows sorted by length into k micro-batches) a share (1 - 1/s)/k (issue 14)."""
+    from flowc.passes.costs import padded_seq_len
+
+    d = Demand(sequences=64, prompt_len=256, response_len=1024, mean_response_len=256)
+    rows = Layout(dp=1, micro_batch=4)
+    assert padded_seq_len(d, rows, 64) == pytest.approx(512 + 768 * (1 - 1 / 4))
+    budget = rows.model_copy(update={"micro_tokens": 4 * 1280})  # 4 rows of the longest length
+    k = -(-64 * 512 // (4 * 1280))  # 7 micro-batches of the 64 rows' 512 mean tokens
+    assert padded_seq_len(d, budget, 64) == pytest.approx(512 + 768 * (1 - 1 / 64) / k)
+    # every response at the limit: nothing to pad
+    full = Demand(sequences=64, prompt_len=256, response_len=1024, mean_response_len=1024)
+    assert padded_seq_len(full, rows, 64) == padded_seq_len(full, budget, 64) == 1280
+    # the budget trains faster (fewer padded tokens, fewer and fuller micro-batches) and never holds more
+    # activations than micro_batch rows of the longest length
+    t_rows = train_cost(Q7, rows, d, H100, logits=True)
+    t_budget = train_cost(Q7, budget, d, H100, logits=True)
+    assert t_budget.time < 0.7 * t_rows.time
+    worst = train_cost(Q7, rows, full, H100, logits=True)
+    assert t_budget.memory.activations <= worst.memory.activations + 1e-9
+    f_rows = forward_cost(Q7, rows, d, H100, logits=True, frozen=True)
+    f_budget = forward_cost(Q7, budget, d, H100, logits=True, frozen=True)
+    assert f_budget.time < f_rows.time

@@ -343,3 +343,37 @@ def test_the_fix_it_search_is_bounded_and_says_what_it_tried(monkeypatch):
     with pytest.raises(InfeasibleError) as e:
         _plan_pinned("llama-3.1-405b", "32x8xH100", "actor.train.tp=3")
     assert "stopped looking for a fix after 0 s" in (e.value.fix or ""), e.value.fix
+
+
+def test_micro_batches_are_token_budgets_where_the_backend_bins_rows():
+    """fsdp2 and Megatron without a pipeline cut micro-batches by tokens: ``micro_batch`` rows
+    of the longest length (what memory is priced at), shown as a budget in ``why`` and the
+    plan text; Megatron's pipeline pads every micro-batch to one shape, so it keeps rows. A
+    pinned budget is honoured, and a pinned 0 keeps rows (issue 14)."""
+    w = WorkloadSpec(prompts=64, prompt_len=512, response_len=2048, mean_response_len=600)
+    plan, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.backend=fsdp2"]))
+    train = plan.roles["actor"].phases["train"].layout
+    assert train.micro_tokens == train.micro_batch * (512 + 2048) // train.cp
+    assert f"mb≤{train.micro_tokens}tok" in format_plan(plan)
+    pinned, _, _ = plan_of(
+        "grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.micro_tokens=8192", "actor.train.backend=fsdp2"])
+    )
+    lay = pinned.roles["actor"].phases["train"].layout
+    assert (lay.micro_tokens, lay.micro_batch) == (8192, 3)
+    rows, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.micro_tokens=0"]))
+    assert rows.roles["actor"].phases["train"].layout.micro_tokens == 0
+    piped = _plan_pinned("qwen2.5-7b", "1x8xH100", "actor.train.backend=megatron", "actor.train.pp=2")
+    assert piped.roles["actor"].phases["train"].layout.micro_tokens == 0
+
+
+def test_a_token_budget_is_priced_faster_than_rows_when_responses_vary():
+    """With responses far shorter than their limit on average, the same plan with row
+    micro-batches pays for the padding; pinned rows are predicted slower."""
+    w = WorkloadSpec(prompts=64, prompt_len=512, response_len=4096, mean_response_len=800)
+    budget, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.backend=fsdp2"]))
+    rows, _, _ = plan_of(
+        "grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.backend=fsdp2", "actor.train.micro_tokens=0"])
+    )
+    t_budget = budget.roles["actor"].phases["train"].time_s
+    t_rows = rows.roles["actor"].phases["train"].time_s
+    assert t_budget < t_rows
