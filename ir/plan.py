@@ -173,6 +173,10 @@ class PhasePlan(BaseModel):
     # generation: the co-located training state sleeps in host memory while this phase
     # generates (its memory is not counted here; the round trip is in time_s)
     sleeps_colocated: bool = False
+    # training and forward phases: a micro-batch's fixed cost (dispatch, launches, per-micro-batch
+    # collectives) in padded tokens of compute, as the cost model prices it; under a token budget the
+    # runtime splits rows of very different lengths apart only where that saves more padding than this
+    micro_overhead_tokens: float = Field(0.0, ge=0)
 
 
 class RolePlan(BaseModel):

@@ -218,6 +218,7 @@ def _phase(pool: str, d: int, devs: str, lay: Layout, mem: Memory, cap: float, i
         ops=[op for op, _ in items],
         waves=waves,
         mfu=round(mfu, 4),
+        micro_overhead_tokens=round(max((c.micro_overhead_tokens for _, c in items), default=0.0), 1),
     )
 
 

@@ -190,6 +190,9 @@ class PhaseCost:
     waves: int = 1
     detail: dict[str, float] = field(default_factory=dict)
     host_gb: float = 0.0  # offloaded state in host memory
+    # a micro-batch's fixed cost (dispatch or launches, per-micro-batch collectives) in padded tokens
+    # of its compute: where splitting a token budget's rows further saves more padding than this, it pays
+    micro_overhead_tokens: float = 0.0
 
 
 def replica_sequences(d: Demand, lay: Layout, *, train: bool) -> float:
@@ -378,7 +381,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     ps_full = params_per_device(m, lay, sharded_over_dp=False)
     trained = trained_fraction(m)  # LoRA: only the adapters have gradients to reduce and an optimizer step
     dp_bw = _dp_bw(hw, lay)
-    dp = 0.0
+    dp = per_mb = 0.0
     if lay.dp * lay.cp > 1:
         group = lay.dp * lay.cp
         if lay.fsdp:  # all-gather fwd + bwd (compute dtype) every micro-batch; fp32 grads reduce-scattered once per update
@@ -417,6 +420,10 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         offload = 0.5 * local * wb * 2 / hw.host * mbs * d.updates
     # fixed cost of every micro-batch: kernel launches (GPU) or Python dispatch (CPU), forward and backward
     launch = 3.0 * mbs * d.updates * layers * hw.layer_overhead
+    # mixed precision over fp32 master weights: every micro-batch casts them to the compute dtype and
+    # accumulates its gradients back into fp32 (read 4 + write 2 bytes, then read 2 + 4, write 4)
+    cast = MASTER_CAST_BYTES * stepped / (hw.hbm * 0.8) * mbs * d.updates if _casts_master(m, lay) else 0.0
+    launch += cast
     total = compute + tp + cp + bubble + pp_p2p + dp + ep + opt + offload + launch
     w, g, o = train_state_gb(m, lay)
     act = activation_gb(m, lay, t_micro, train=True, logits=logits, in_flight=_in_flight(seqs_per_dp, lay))
@@ -434,7 +441,22 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         "optimizer": opt,
         "offload": offload,
     }
-    return PhaseCost(total, mem, resident, mfu, 1, detail, host_state_gb(m, lay))
+    per_micro = (launch + offload) / (mbs * d.updates) + per_mb
+    return PhaseCost(total, mem, resident, mfu, 1, detail, host_state_gb(m, lay), _in_tokens(per_micro, compute, tokens_per_rank))
+
+
+MASTER_CAST_BYTES = 16.0  # per trained parameter and micro-batch, forward cast and gradient accumulation
+
+
+def _casts_master(m: ModelSpec, lay: Layout) -> bool:
+    """fsdp2 trains a role in a 16-bit compute dtype over fp32 master weights (Megatron holds its
+    parameters in the compute dtype; LoRA's frozen base is held in it)."""
+    return lay.backend == "fsdp2" and m.bytes_per_param < 4 and not (m.lora is not None and m.lora.enabled)
+
+
+def _in_tokens(per_micro_s: float, compute_s: float, tokens_per_rank: float) -> float:
+    """A micro-batch's fixed seconds as the padded tokens whose compute takes as long."""
+    return per_micro_s / (compute_s / tokens_per_rank) if compute_s > 0 and tokens_per_rank > 0 else 0.0
 
 
 def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, frozen: bool) -> PhaseCost:
@@ -473,9 +495,10 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
             / hw.link(lay.ep)
         )
     ps_full = params_per_device(m, lay, sharded_over_dp=False)
-    gather = 0.0
+    gather = per_mb = 0.0
     if lay.fsdp and lay.dp * lay.cp > 1:
-        comm = gather_time(ps_full.total * wb, lay.dp * lay.cp, _dp_bw(hw, lay), hw.latency) * mbs
+        per_mb = gather_time(ps_full.total * wb, lay.dp * lay.cp, _dp_bw(hw, lay), hw.latency)
+        comm = per_mb * mbs
         gather = max(comm - hw.overlap * compute, (1 - hw.overlap) * comm)
     local = params_per_device(m, lay).total
     offload = 0.0
@@ -483,6 +506,8 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
         # frozen roles swap their weights in once per op; FSDP's CPU offload copies them every micro-batch
         offload = local * wb / hw.host if frozen else 0.5 * local * wb / hw.host * mbs
     launch = mbs * layers * hw.layer_overhead
+    if not frozen and _casts_master(m, lay):  # a trained role's forward casts its fp32 master weights each micro-batch
+        launch += 6.0 * local / (hw.hbm * 0.8) * mbs
     total = compute + tp + bubble + ep + gather + offload + launch
     act = activation_gb(m, lay, t_micro, train=False, logits=logits, in_flight=1.0)
     buf = buffers_gb(m, lay, hw)
@@ -503,6 +528,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
         1,
         {"compute": compute, "tp": tp, "pp_bubble": bubble, "ep": ep, "dp": gather, "offload": offload},
         host,
+        _in_tokens(launch / mbs + per_mb + (0.0 if frozen else offload / mbs), compute, tokens_per_rank),
     )
 
 

@@ -266,7 +266,7 @@ def _placement(plan: Plan, g: FlowGraph, n) -> tuple[str | None, EngineKey | Non
         if n.op == Op.GENERATE:
             args: dict[str, object] = {k: v for k, v in n.kwargs.items() if not hasattr(v, "node")}
         else:
-            args = micro_args(pp.layout)
+            args = micro_args(pp.layout, pp.micro_overhead_tokens)
         return pp.pool, key, args
     if n.op == Op.WEIGHT_SYNC:
         r = plan.generation_sync(n.role)
@@ -287,10 +287,12 @@ def _workload(plan: Plan) -> WorkloadSpec:
     return WorkloadSpec(**plan.workload)
 
 
-MICRO_ARGS = ("micro", "micro_tokens")
+MICRO_ARGS = ("micro", "micro_tokens", "micro_overhead")
 
 
-def micro_args(layout: Layout) -> dict[str, int]:
+def micro_args(layout: Layout, overhead_tokens: float = 0.0) -> dict[str, float]:
     """How a forward or update op cuts its rows into micro-batches: ``micro`` rows, or with
-    ``micro_tokens`` a token budget (rows binned by length; see ``backends.training``)."""
-    return {"micro": layout.micro_batch, "micro_tokens": layout.micro_tokens}
+    ``micro_tokens`` a token budget (rows binned by length; see ``backends.training``), split
+    further where that saves more padding than a micro-batch's fixed cost
+    (``micro_overhead`` tokens; 0: fill each micro-batch up to the budget)."""
+    return {"micro": layout.micro_batch, "micro_tokens": layout.micro_tokens, "micro_overhead": overhead_tokens}

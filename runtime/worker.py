@@ -142,7 +142,7 @@ class Worker:
         return r, meta
 
     def _forward(self, eng: TrainEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        return eng.forward(values["rollout"], args["micro"], args.get("micro_tokens", 0)), {}
+        return eng.forward(values["rollout"], args["micro"], args.get("micro_tokens", 0), args.get("micro_overhead", 0.0)), {}
 
     def _update(self, eng: TrainEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         r = values.pop("rollout")

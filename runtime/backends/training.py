@@ -70,19 +70,28 @@ def chunk_ranges(rows: int, k: int, unit: int = 1) -> Iterator[tuple[int, int]]:
         yield lo * unit, hi * unit
 
 
-def token_bins(r: Rollout, budget: int, unit: int = 1) -> list[torch.Tensor]:
+def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0) -> list[torch.Tensor]:
     """Rows of ``r`` in micro-batches of at most ``budget`` padded tokens each: a micro-batch
     costs its rows × the prompt and response width it keeps once trimmed. Rows are taken
     longest response first (then longest prompt), so each micro-batch holds rows of similar
-    length and short rows share one; a unit wider than the budget on its own runs alone.
-    Units of ``unit`` rows (DPO's pairs) stay together. Each micro-batch's rows are in
-    their original order."""
+    length; a unit wider than the budget on its own runs alone. Units of ``unit`` rows (DPO's
+    pairs) stay together, and each micro-batch's rows are in their original order.
+
+    With ``overhead`` (a micro-batch's fixed cost, in padded tokens of compute) the cuts
+    minimise padded tokens + ``overhead`` × micro-batches (an exact dynamic programme over the
+    sorted rows); without it each micro-batch is filled up to the budget."""
     n = num_rows(r) // unit
     if n == 0:
         return []
     p = r.prompt_mask.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
     q = r.response_mask.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
     order = sorted(range(n), key=lambda i: (-q[i], -p[i], i))
+    groups = _cheapest_cuts(order, p, q, budget, unit, overhead) if overhead > 0 else _filled(order, p, q, budget, unit)
+    return [torch.tensor([u * unit + j for u in sorted(g) for j in range(unit)], dtype=torch.long) for g in groups]
+
+
+def _filled(order: list[int], p: list[int], q: list[int], budget: int, unit: int) -> list[list[int]]:
+    """Greedy: each micro-batch takes the next rows while they fit the budget."""
     bins: list[list[int]] = []
     cur: list[int] = []
     wp = wq = 0
@@ -94,7 +103,33 @@ def token_bins(r: Rollout, budget: int, unit: int = 1) -> list[torch.Tensor]:
         cur.append(i)
         wp, wq = np_, nq
     bins.append(cur)
-    return [torch.tensor([u * unit + j for u in sorted(b) for j in range(unit)], dtype=torch.long) for b in bins]
+    return bins
+
+
+def _cheapest_cuts(order: list[int], p: list[int], q: list[int], budget: int, unit: int, overhead: float) -> list[list[int]]:
+    """Contiguous runs of the sorted rows, each within the budget (or one unit), minimising
+    padded tokens + ``overhead`` per run. A run starting at sorted row ``i`` is as wide as
+    that row's response (the longest) plus its longest prompt."""
+    n = len(order)
+    best = [0.0] + [math.inf] * n  # best[j]: the cheapest cuts of the first j sorted rows
+    start = [0] * (n + 1)
+    for i in range(n):  # runs [i, j) extend best[i]
+        if best[i] == math.inf:
+            continue
+        wq, wp = q[order[i]], 0
+        for j in range(i + 1, n + 1):
+            wp = max(wp, p[order[j - 1]])
+            padded = (j - i) * unit * (wp + wq)
+            if padded > budget and j > i + 1:
+                break
+            cost = best[i] + overhead + padded
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    runs, j = [], n
+    while j > 0:
+        runs.append(order[start[j] : j])
+        j = start[j]
+    return runs[::-1]
 
 
 def minibatch_bounds(role: str, mini_sizes: list[int], rows: int) -> list[tuple[int, int]]:
@@ -166,15 +201,18 @@ class TrainEngine:
         self.micro_batches = 0  # of the last op: what the plan's micro_batch made of this replica's rows
 
     # -------------------------------------------------------- micro-batches
-    def split(self, r: Rollout, micro: int, unit: int = 1, tokens: int = 0) -> tuple[list[Rollout], list[torch.Tensor]]:
+    def split(
+        self, r: Rollout, micro: int, unit: int = 1, tokens: int = 0, overhead: float = 0.0
+    ) -> tuple[list[Rollout], list[torch.Tensor]]:
         """This replica's rows in micro-batches, padding trimmed: ``micro`` rows each in order,
-        or with a token budget ``tokens`` binned by length (:func:`token_bins`). Their count is
+        or with a token budget ``tokens`` binned by length (:func:`token_bins`, with a
+        micro-batch's fixed cost of ``overhead`` tokens). Their count is
         agreed by every rank of the pool (a replica with fewer runs one-row padding
         micro-batches). Returns the micro-batches and the rows of ``r`` each holds (empty
         for padding)."""
         rows = num_rows(r)
         if tokens:
-            bins = token_bins(r, tokens, unit)
+            bins = token_bins(r, tokens, unit, overhead)
         else:
             k = max(1, math.ceil(rows // unit / max(1, micro // unit)))
             bins = [torch.arange(lo, hi) for lo, hi in chunk_ranges(rows, k, unit)]
@@ -186,12 +224,12 @@ class TrainEngine:
 
     # -------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, r: Rollout, micro: int, tokens: int = 0) -> torch.Tensor | None:
+    def forward(self, r: Rollout, micro: int, tokens: int = 0, overhead: float = 0.0) -> torch.Tensor | None:
         """Log-probabilities (policy, reference) or values (critic) ``[n, R]`` of the rows, or a
         reward model's scores ``[n]`` (its value at the last response token); None on ranks
         whose outputs the controller does not keep."""
         width = r.response_ids.shape[1]
-        parts, bins = self.split(r, micro, tokens=tokens)
+        parts, bins = self.split(r, micro, tokens=tokens, overhead=overhead)
         real = [len(idx) for idx in bins]
         # each micro-batch's outputs leave the device as soon as they exist (the rest of the batch runs beside them)
         got = self.b.run(parts, real, lambda i, part, score: (None, {"out": _host(score(False))}), train=False)
@@ -226,6 +264,7 @@ class TrainEngine:
         epochs: int,
         micro: int,
         micro_tokens: int = 0,
+        micro_overhead: float = 0.0,
     ) -> dict[str, float]:
         """Optimizer updates over this replica's rows: ``mini_sizes[k]`` rows (in order) belong
         to mini-batch k (see ``runtime.batches.minibatch_rows``), each epoch visits them all."""
@@ -247,7 +286,7 @@ class TrainEngine:
                 ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
                 local = float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)
                 denom = max(self.b.dp_sum(local), 1.0)  # every row of the mini-batch once: replicas hold disjoint rows
-                parts, bins = self.split(mb, micro, unit, micro_tokens)
+                parts, bins = self.split(mb, micro, unit, micro_tokens, micro_overhead)
                 real = [len(idx) for idx in bins]
 
                 def fn(i: int, part: Rollout, score: Score, ts=ts, denom=denom, bins=bins):

@@ -43,12 +43,13 @@ def rollout(prompt_lens: list[int], response_lens: list[int], p: int = 8, r: int
     lengths=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 10)), min_size=1, max_size=24),
     budget=st.integers(1, 200),
     unit=st.sampled_from([1, 2]),
+    overhead=st.sampled_from([0.0, 0.5, 12.0, 1e9]),
 )
-def test_bins_hold_every_row_once_within_the_budget(lengths, budget, unit):
+def test_bins_hold_every_row_once_within_the_budget(lengths, budget, unit, overhead):
     if len(lengths) % unit:
         lengths = lengths[: len(lengths) - len(lengths) % unit] or lengths[:0] + [lengths[0]] * unit
     r = rollout([a for a, _ in lengths], [b for _, b in lengths])
-    bins = token_bins(r, budget, unit)
+    bins = token_bins(r, budget, unit, overhead)
     rows = torch.cat(bins).tolist()
     assert sorted(rows) == list(range(len(lengths)))  # every row exactly once
     p = r.prompt_mask.sum(-1).clamp(min=1)
@@ -61,6 +62,24 @@ def test_bins_hold_every_row_once_within_the_budget(lengths, budget, unit):
     # longest responses first: the micro-batches' widest responses never grow
     widths = [int(q[b].max()) for b in bins]
     assert widths == sorted(widths, reverse=True)
+    if overhead:  # the cheapest cuts: never dearer than filling each micro-batch, and as few with a huge overhead
+
+        def cost(bs):
+            return sum(overhead + len(b) * int(p[b].max() + q[b].max()) for b in bs)
+
+        filled = token_bins(r, budget, unit)
+        assert cost(bins) <= cost(filled) + 1e-6
+        if overhead == 1e9:
+            assert len(bins) == len(filled)
+
+
+def test_a_micro_batchs_fixed_cost_decides_how_far_rows_are_split():
+    """Two long rows and six short ones within one budget: split apart when a micro-batch
+    costs less than the padding it saves (6 rows × 9 tokens), kept together otherwise."""
+    r = rollout([4] * 8, [10, 10, 1, 1, 1, 1, 1, 1])
+    assert len(token_bins(r, 1000, 1)) == 1  # filled up to the budget
+    assert [b.tolist() for b in token_bins(r, 1000, 1, overhead=20.0)] == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    assert len(token_bins(r, 1000, 1, overhead=100.0)) == 1
 
 
 def test_short_rows_share_a_micro_batch_and_padding_shrinks():
@@ -135,6 +154,9 @@ def test_binned_forward_returns_rows_in_their_order():
     whole = eng.forward(r, 8)
     binned = eng.forward(r, 8, tokens=30)
     assert eng.micro_batches >= 3
+    cut = eng.forward(r, 8, tokens=1000, overhead=8.0)  # one budget for all, cut where padding costs more
+    assert eng.micro_batches >= 2
+    assert torch.allclose(cut * r.response_mask, whole * r.response_mask, atol=1e-5)
     assert binned.shape == whole.shape == (8, 10)
     assert torch.allclose(binned * r.response_mask, whole * r.response_mask, atol=1e-5)
 

@@ -186,3 +186,20 @@ def test_padding_by_hand_and_token_budgets_bin_it_away():
     f_rows = forward_cost(Q7, rows, d, H100, logits=True, frozen=True)
     f_budget = forward_cost(Q7, budget, d, H100, logits=True, frozen=True)
     assert f_budget.time < f_rows.time
+
+
+def test_a_micro_batchs_fixed_cost_includes_the_master_weight_cast():
+    """fsdp2 in bf16 over fp32 master weights casts them every micro-batch (16 bytes per
+    parameter with the gradient accumulation); Megatron holds bf16 parameters and does not.
+    The fixed cost is reported in tokens of compute for the runtime's cuts."""
+    from flowc.passes.costs import MASTER_CAST_BYTES
+
+    d = Demand(sequences=256, prompt_len=512, response_len=512, mean_response_len=512)
+    one, four = Layout(dp=8, fsdp=False, micro_batch=32), Layout(dp=8, fsdp=False, micro_batch=8)
+    c1, c4 = (train_cost(Q7, lay, d, H100, logits=True) for lay in (one, four))
+    cast = 3 * MASTER_CAST_BYTES * Q7.params_total / (H100.hbm * 0.8)  # three more micro-batches
+    mega = train_cost(Q7, Layout(dp=8, backend="megatron", micro_batch=32), d, H100, logits=True)
+    mega4 = train_cost(Q7, Layout(dp=8, backend="megatron", micro_batch=8), d, H100, logits=True)
+    # the same compute, launches and gradient all-reduce on both: what differs is the cast
+    assert (c4.time - c1.time) - (mega4.time - mega.time) == pytest.approx(cast, rel=0.02)
+    assert c1.micro_overhead_tokens > mega.micro_overhead_tokens > 0
