@@ -79,15 +79,25 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0) ->
 
     With ``overhead`` (a micro-batch's fixed cost, in padded tokens of compute) the cuts
     minimise padded tokens + ``overhead`` × micro-batches (an exact dynamic programme over the
-    sorted rows); without it each micro-batch is filled up to the budget."""
+    sorted rows, up to ``MAX_CUT_ROWS`` units); without it each micro-batch is filled up to the
+    budget."""
     n = num_rows(r) // unit
     if n == 0:
         return []
     p = r.prompt_mask.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
     q = r.response_mask.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
     order = sorted(range(n), key=lambda i: (-q[i], -p[i], i))
-    groups = _cheapest_cuts(order, p, q, budget, unit, overhead) if overhead > 0 else _filled(order, p, q, budget, unit)
+    one = n * unit * (max(p) + max(q))
+    if one <= budget and one - unit * sum(p[i] + q[i] for i in range(n)) <= overhead:
+        groups = [order]  # all the padding there is costs less than one more micro-batch: no cut can pay
+    elif 0 < overhead and n <= MAX_CUT_ROWS:
+        groups = _cheapest_cuts(order, p, q, budget, unit, overhead)
+    else:
+        groups = _filled(order, p, q, budget, unit)
     return [torch.tensor([u * unit + j for u in sorted(g) for j in range(unit)], dtype=torch.long) for g in groups]
+
+
+MAX_CUT_ROWS = 2048  # beyond this many units a replica's micro-batches are filled greedily (the cuts are quadratic)
 
 
 def _filled(order: list[int], p: list[int], q: list[int], budget: int, unit: int) -> list[list[int]]:
