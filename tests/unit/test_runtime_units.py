@@ -140,8 +140,12 @@ def test_lowering_verifies_the_plan_and_refuses_what_the_runtime_does_not_execut
         lower(edited(asleep))
 
     def optimizer_only_offload(x):  # FSDP2's CPUOffloadPolicy has no optimizer-only mode
-        lay = x["roles"]["actor"]["phases"]["train"]["layout"]
-        lay.update(backend="fsdp2", tp=1, pp=1, cp=1, ep=1, dp=8, fsdp=True, offload_optimizer=True, offload_params=False)
+        for ph in ("train", "forward"):  # a trained role's forward runs on its training engine: the same layout
+            phase = x["roles"]["actor"]["phases"][ph]
+            phase.update(tp=1, pp=1, cp=1, ep=1, dp=8)
+            phase["layout"].update(
+                backend="fsdp2", tp=1, pp=1, cp=1, ep=1, dp=8, fsdp=True, offload_optimizer=True, offload_params=False
+            )
 
     if d["roles"]["actor"]["phases"]["train"]["device_count"] == 8:
         with pytest.raises(PlanError, match="only together with the parameters"):

@@ -1,0 +1,192 @@
+"""Do token-budget micro-batches pay? flowc's update with one padded micro-batch against the
+planner's token budget and length-aware cuts, side by side.
+
+    python bench/token_budget.py [--sizes tiny,mid] [--rounds 3] [--iters 6]
+
+The workload is bench/grpo_vs_trl's (64 rows, an 8-token prompt, up to 24 response tokens)
+with the response lengths a flowc run of the 34 M random model produced (36 % of responses
+stop at the limit, the rest spread over 1-23 tokens; prompts of 5-7 tokens). Each mode runs
+the shared training loop (``backends.training.TrainEngine`` on fsdp2, one process, two threads)
+in a fresh interpreter: ``rows`` is one micro-batch of all 64 rows (what row micro-batches of
+the planned size run: every row padded to the widest), ``cuts`` the planner's budget with its
+``micro_overhead_tokens`` (rows sorted by length, cut where padding saved exceeds a
+micro-batch's fixed cost), and ``fill32`` a budget of 32 rows of the longest length filled
+greedily. Modes alternate within each round; reported: the median update time, the
+micro-batches it ran, the padded tokens it computed, and the ratio to ``rows``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from fresh import in_fresh_process  # bench/fresh.py
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE / "grpo_vs_trl"))
+ROWS, PROMPT, RESPONSE = 64, 8, 24
+
+
+def lengths(seed: int = 0) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    q = [RESPONSE if rng.random() < 0.36 else rng.randint(1, RESPONSE - 1) for _ in range(ROWS)]
+    p = [rng.randint(5, 7) for _ in range(ROWS)]
+    return p, q
+
+
+def planned(model: str, dtype: str) -> dict:
+    """The training layout and micro-batch fixed cost ``flowc plan`` gives the bench's run (as
+    ``flowc run`` would plan it: local CPUs, the run config's dtype)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(f"dtype: {dtype}\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowc.cli",
+        "plan",
+        str(HERE / "grpo_vs_trl" / "grpo_noref.py"),
+        "--model",
+        f"actor={model}",
+        "--workload",
+        f"prompts=8,prompt_len={PROMPT},response_len={RESPONSE}",
+        "--config",
+        f.name,
+        "--json",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    ph = json.loads(out)["roles"]["actor"]["phases"]["train"]
+    return {"micro_tokens": ph["layout"]["micro_tokens"], "overhead": ph["micro_overhead_tokens"]}
+
+
+def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead: float) -> dict:
+    """(In a fresh process) ``iters`` updates of the bench's batch under one micro-batching mode."""
+    import torch
+
+    from flowc.ir.functional import Rollout
+    from flowc.ir.losses import ppo_clip
+    from flowc.ir.plan import Layout
+    from flowc.ir.run_config import OptimConfig
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
+    from flowc.runtime.backends.training import TrainEngine, token_bins
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    init = EngineInit(role="actor", kind="policy", source=model, layout=Layout(), dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
+    eng = TrainEngine(Fsdp2Trainer(init))
+    p, q = lengths()
+    g = torch.Generator().manual_seed(0)
+    pmask = torch.zeros(ROWS, PROMPT, dtype=torch.bool)
+    rmask = torch.zeros(ROWS, RESPONSE, dtype=torch.bool)
+    for i in range(ROWS):
+        pmask[i, PROMPT - p[i] :] = True
+        rmask[i, : q[i]] = True
+    r = Rollout(
+        torch.randint(3, 30, (ROWS, PROMPT), generator=g) * pmask,
+        pmask,
+        torch.randint(3, 30, (ROWS, RESPONSE), generator=g),
+        rmask,
+        torch.zeros(ROWS, RESPONSE),
+    )
+    adv = torch.randn(ROWS, generator=g)
+    kw = {
+        "rows": {"micro": ROWS},
+        "cuts": {"micro": ROWS, "micro_tokens": budget, "micro_overhead": overhead},
+        "fill32": {"micro": ROWS, "micro_tokens": 32 * (PROMPT + RESPONSE)},
+    }[mode]
+    bins = token_bins(r, kw["micro_tokens"], 1, kw.get("micro_overhead", 0.0)) if "micro_tokens" in kw else [torch.arange(ROWS)]
+    padded = sum(len(b) * int(pmask[b].sum(-1).max() + rmask[b].sum(-1).max()) for b in bins)
+
+    def update() -> None:
+        eng.update(
+            r,
+            {"advantages": adv},
+            loss=ppo_clip(0.2),
+            kl_coef=0.0,
+            kl_kind="k1",
+            entropy_coef=0.0,
+            mini_sizes=[ROWS],
+            epochs=1,
+            **kw,
+        )
+
+    update()  # warm-up
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        update()
+        times.append(time.perf_counter() - t)
+    return {"ms": statistics.median(times) * 1e3, "micro_batches": eng.micro_batches, "padded": padded}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="tiny,mid")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=6)
+    args = ap.parse_args()
+    from run import model_dir  # bench/grpo_vs_trl/run.py
+
+    cache = ROOT / "bench" / ".cache"
+    cache.mkdir(exist_ok=True)
+    modes = ("rows", "cuts", "fill32")
+    rows = []
+    for size in args.sizes.split(","):
+        model = model_dir(size, cache)
+        for dtype in args.dtypes.split(","):
+            pl = in_fresh_process("token_budget", "planned", model, dtype)
+            got: dict[str, list[dict]] = {m: [] for m in modes}
+            for _ in range(args.rounds):
+                for mode in modes:
+                    got[mode].append(
+                        in_fresh_process(
+                            "token_budget", "measure", model, dtype, mode, args.iters, pl["micro_tokens"], pl["overhead"]
+                        )
+                    )
+            base = statistics.median(x["ms"] for x in got["rows"])
+            for mode in modes:
+                ms = statistics.median(x["ms"] for x in got[mode])
+                rows.append(
+                    (
+                        size,
+                        dtype,
+                        mode,
+                        ms,
+                        got[mode][0]["micro_batches"],
+                        got[mode][0]["padded"],
+                        ms / base,
+                        pl["overhead"],
+                        [round(x["ms"]) for x in got[mode]],
+                    )
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    real = sum(a + b for a, b in zip(*lengths(), strict=True))
+    print()
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+        f"{args.rounds} alternating rounds of {args.iters} updates; {real} real tokens in the batch"
+    )
+    print()
+    print(
+        "| size | dtype | mode | update (ms) | micro-batches | padded tokens | vs rows | planned fixed cost (tokens) | rounds (ms) |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---|")
+    for size, dtype, mode, ms, k, padded, ratio, ov, each in rows:
+        print(
+            f"| {size} | {dtype} | {mode} | {ms:.1f} | {k} | {padded} | {ratio:.2f}× | {ov:.0f} | {', '.join(map(str, each))} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
