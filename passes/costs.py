@@ -219,12 +219,13 @@ def padded_seq_len(d: Demand, lay: Layout, seqs_per_replica: float) -> float:
     return d.seq_len + spread * share
 
 
-def _tokens_per_micro(lay: Layout, seq_len: float, seqs_per_replica: float) -> float:
+def _tokens_per_micro(lay: Layout, seq_len: float, seqs_per_replica: float, longest: float = 0.0) -> float:
     """Tokens of one micro-batch (``seq_len`` padded per sequence) on one device: never more
-    than its replica has, nor than the layout's token budget."""
+    than its replica has, nor than the layout's token budget — except that a row of the
+    ``longest`` length runs whole even when it alone exceeds the budget."""
     rows = max(seqs_per_replica, 1.0)
     if lay.micro_tokens:
-        return min(float(lay.micro_tokens), rows * seq_len / lay.cp)
+        return min(max(float(lay.micro_tokens), longest / lay.cp), rows * seq_len / lay.cp)
     return min(lay.micro_batch, rows) * seq_len / lay.cp
 
 
@@ -352,11 +353,11 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     seqs_per_dp = replica_sequences(d, lay, train=True)
     padded = padded_seq_len(d, lay, seqs_per_dp)  # what the micro-batches compute on, padding included
     mbs = _micro_batches(seqs_per_dp, lay, padded)
-    t_micro = _tokens_per_micro(lay, padded, seqs_per_dp)
+    t_micro = _tokens_per_micro(lay, padded, seqs_per_dp, d.prompt_len + d.response_len)
     eff = hw.eff.train * (hw.eff.moe_train if m.is_moe else 1.0) * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     flops = train_flops(m, d.tokens * padded / d.seq_len, padded, recompute=lay.activation_checkpointing)
     if m.lora is not None and m.lora.enabled:  # frozen weights get no weight gradients: those backward GEMMs drop out
-        flops -= 2.0 * d.tokens * max(matmul_params(m) - m.trained_params, 0)
+        flops -= 2.0 * d.tokens * padded / d.seq_len * max(matmul_params(m) - m.trained_params, 0)
     compute = flops / (devices * hw.peak * eff)
     tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
@@ -469,7 +470,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     seqs_per_dp = replica_sequences(d, lay, train=False)
     padded = padded_seq_len(d, lay, seqs_per_dp)
     mbs = _micro_batches(seqs_per_dp, lay, padded)
-    t_micro = _tokens_per_micro(lay, padded, seqs_per_dp)
+    t_micro = _tokens_per_micro(lay, padded, seqs_per_dp, d.prompt_len + d.response_len)
     eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     compute = forward_flops(m, d.tokens * padded / d.seq_len, padded) / (devices * hw.peak * eff)
     tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too

@@ -216,8 +216,10 @@ def pins_from_plan(plan: Plan) -> Pins:
     roles: dict[str, dict[str, PhasePin]] = {}
     for name, rp in plan.roles.items():
         for ph, pp in rp.phases.items():
-            lay = pp.layout
-            roles.setdefault(name, {})[ph] = PhasePin(**lay.model_dump(), devices=pp.device_count)
+            fields = pp.layout.model_dump()
+            if fields["micro_tokens"]:  # a budget: its rows follow from the workload it is re-planned for
+                fields["micro_batch"] = None
+            roles.setdefault(name, {})[ph] = PhasePin(**fields, devices=pp.device_count)
     colocate = [list(p.units) for p in plan.pools]
     reshard = {r.role: r.method for r in plan.reshards if r.dst_phase == "generate"}
     return Pins(roles=roles, colocate=colocate, reshard=reshard)

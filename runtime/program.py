@@ -266,7 +266,8 @@ def _placement(plan: Plan, g: FlowGraph, n) -> tuple[str | None, EngineKey | Non
         if n.op == Op.GENERATE:
             args: dict[str, object] = {k: v for k, v in n.kwargs.items() if not hasattr(v, "node")}
         else:
-            args = micro_args(pp.layout, pp.micro_overhead_tokens)
+            # a trained role's forward runs on its training engine (its layout) at the forward op's own priced fixed cost
+            args = micro_args(pp.layout, plan.phase(n.role, phase).micro_overhead_tokens)
         return pp.pool, key, args
     if n.op == Op.WEIGHT_SYNC:
         r = plan.generation_sync(n.role)
@@ -295,4 +296,6 @@ def micro_args(layout: Layout, overhead_tokens: float = 0.0) -> dict[str, float]
     ``micro_tokens`` a token budget (rows binned by length; see ``backends.training``), split
     further where that saves more padding than a micro-batch's fixed cost
     (``micro_overhead`` tokens; 0: fill each micro-batch up to the budget)."""
-    return {"micro": layout.micro_batch, "micro_tokens": layout.micro_tokens, "micro_overhead": overhead_tokens}
+    # the plan prices budgets and fixed costs per device; a replica's rows are whole (cp ranks split each row)
+    cp = layout.cp
+    return {"micro": layout.micro_batch, "micro_tokens": layout.micro_tokens * cp, "micro_overhead": overhead_tokens * cp}

@@ -97,7 +97,7 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0) ->
     return [torch.tensor([u * unit + j for u in sorted(g) for j in range(unit)], dtype=torch.long) for g in groups]
 
 
-MAX_CUT_ROWS = 2048  # beyond this many units a replica's micro-batches are filled greedily (the cuts are quadratic)
+MAX_CUT_ROWS = 512  # beyond this many units a replica's micro-batches are filled greedily (the cuts are quadratic)
 
 
 def _filled(order: list[int], p: list[int], q: list[int], budget: int, unit: int) -> list[list[int]]:
@@ -226,7 +226,7 @@ class TrainEngine:
         else:
             k = max(1, math.ceil(rows // unit / max(1, micro // unit)))
             bins = [torch.arange(lo, hi) for lo, hi in chunk_ranges(rows, k, unit)]
-        k = self.b.agree(len(bins))
+        k = self.b.agree(max(1, len(bins)))
         bins += [torch.arange(0)] * (k - len(bins))
         parts = [trim(take_rows(r, idx) if len(idx) else slice_rows(r, 0, unit)) for idx in bins]
         self.micro_batches = k
@@ -317,18 +317,22 @@ class TrainEngine:
                 weights = [
                     float(n if unit == 2 else (part.response_mask.sum() if n else 0)) for n, part in zip(real, parts, strict=True)
                 ]
-                for w, g in zip(weights, got, strict=False):
+                for n, w, g in zip(real, weights, got, strict=False):
+                    if n == 0:  # a padding micro-batch (it re-runs a real row to keep collectives in step)
+                        continue
                     for key, val in g.items():
                         if key in LOSS_SHARES:
                             shares[key] = shares.get(key, 0.0) + val
                         else:
                             sums[key] = sums.get(key, 0.0) + val * w
                     weight += w
-                # this replica's mean loss: its shares of the mini-batch's loss over its share of the denominator
                 for key, val in shares.items():
-                    losses[key] = losses.get(key, 0.0) + val * denom / max(local, 1.0)
+                    losses[key] = losses.get(key, 0.0) + val
                 minis += 1
-        stats = {k: v / max(weight, 1.0) for k, v in sums.items()} | {k: v / max(minis, 1) for k, v in losses.items()}
+        # the replicas' shares add up to each mini-batch's loss; the controller averages what every rank reports
+        # (a replica's ranks report the same), so each reports its shares × the replicas
+        replicas = self.init.layout.dp
+        stats = {k: v / max(weight, 1.0) for k, v in sums.items()} | {k: v * replicas / max(minis, 1) for k, v in losses.items()}
         out = self.b.share(stats)
         out["grad_norm"] = norm_sum / max(num_rows(r) * epochs, 1)
         out["lr"] = lr

@@ -177,6 +177,7 @@ def _worker(rank: int, world: int, init: str | None, out) -> None:
 
     stats = _update(eng, take_rows(r, idx), adv[idx], old[idx], "token-mean", micro=8, micro_tokens=40 if world > 1 else 0)
     params, _ = eng.b.full_params()
+    out[(world, rank, "pg_loss")] = stats["pg_loss"]  # the controller reports the mean over the ranks
     if rank == 0:
         out[world] = ({k: v.clone() for k, v in params.items()}, stats["grad_norm"], eng.micro_batches)
     if world > 1:
@@ -191,6 +192,10 @@ def test_two_ranks_with_different_bins_equal_one_process():
             mp.spawn(_worker, args=(2, f"file://{d}/rdv", out), nprocs=2, join=True)
         one, grad_one, _ = out[1]
         two, grad_two, agreed = out[2]
+        loss_one = out[(1, 0, "pg_loss")]
+        loss_two = (out[(2, 0, "pg_loss")] + out[(2, 1, "pg_loss")]) / 2
     assert agreed >= 2  # rank 1 ran padding micro-batches to keep FSDP's collectives in step
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
+    # the loss the run reports: the padding micro-batches (a real row re-run) add nothing to it
+    assert loss_two == pytest.approx(loss_one, rel=1e-4)
     assert grad_one == pytest.approx(grad_two, rel=1e-4)

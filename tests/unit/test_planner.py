@@ -377,3 +377,18 @@ def test_a_token_budget_is_priced_faster_than_rows_when_responses_vary():
     t_budget = budget.roles["actor"].phases["train"].time_s
     t_rows = rows.roles["actor"].phases["train"].time_s
     assert t_budget < t_rows
+
+
+def test_a_saved_plan_with_a_token_budget_replans_for_another_workload():
+    """A saved plan pins its budget, not the rows it made of it: re-planned for shorter
+    responses (``--plan saved.json --workload …``), its micro-batch rows follow."""
+    from flowc.passes.pins import pins_from_plan
+
+    w = WorkloadSpec(prompts=64, prompt_len=512, response_len=2048)
+    saved, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.backend=fsdp2"]))
+    lay = saved.roles["actor"].phases["train"].layout
+    assert lay.micro_tokens > 0
+    shorter = WorkloadSpec(prompts=64, prompt_len=512, response_len=1024)
+    again, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", shorter, pins_from_plan(saved))
+    got = again.roles["actor"].phases["train"].layout
+    assert got.micro_tokens == lay.micro_tokens and got.micro_batch == lay.micro_tokens // (512 + 1024)
