@@ -14,6 +14,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
+# torch's C++ warnings (vLLM's CPU build logs its NUMA memory binding through them) stay off the
+# console, as in the Ray workers (ray_session.WORKER_ENV); read once, when torch loads, so set here
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 import typer
 from rich.console import Console
 from rich.markup import escape

@@ -194,6 +194,7 @@ def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_
     from flowc.inputs import check_data, load_data, model_sources
     from flowc.rewards import bind_rewards, reward_notes
     from flowc.runtime.controller import RunSpec
+    from flowc.runtime.inline import choose_executor
     from flowc.runtime.program import lower
     from flowc.tasks import arithmetic as arith
     from flowc.trackers import check_trackers
@@ -211,9 +212,9 @@ def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_
     check_data(g, [data, eval_data], tokenizer, plan.workload, rewards, names)  # every row, before the first step
     if not dry_run:
         _check_space(out, plan, req.config.keep_checkpoints)
-    spec = RunSpec(
-        lower(plan, here=address is None), _config(req, builtin), sources, tokenizer, data, eval_data, rewards, names, out
-    )
+    program, cfg = lower(plan, here=address is None), _config(req, builtin)
+    executor = choose_executor(cfg.executor, program, local=address is None)
+    spec = RunSpec(program, cfg, sources, tokenizer, data, eval_data, rewards, names, out, executor=executor)
     return Prepared(spec, plan, address, own)
 
 
@@ -381,7 +382,8 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
     (req.record or record_of(req, spec.config)).write(out)
     ctl = Controller(spec)  # checks the run config against the program before Ray starts
     ctl.clean_checkpoints()  # what an earlier run left half-written
-    started = init_ray(p.address) if not ray.is_initialized() else False
+    # the inline executor runs the one worker and the rewards in this process and its children: no Ray
+    started = init_ray(p.address) if spec.executor == "ray" and not ray.is_initialized() else False
     stop = _Stop()
     resume = f"flowc run --resume {out}"
     log: MetricsLog | None = None

@@ -31,8 +31,9 @@ RECORD = "run.json"
 
 # Options a resume may change freely: how long the run is and where it runs.
 FREE = ("steps", "cluster", "device")
-# Run settings a resume may change freely: which experiment trackers it reports to.
-FREE_SETTINGS = ("report_to",)
+# Run settings a resume may change freely: which experiment trackers it reports to, and how it
+# executes (the same results: where the workers and the reward processes run, how many of the latter).
+FREE_SETTINGS = ("report_to", "executor", "reward_workers")
 
 
 class RunRecord(BaseModel):

@@ -96,6 +96,10 @@ class RunConfig(BaseModel):
             process of its own, killed when it overruns; the run then fails naming the step).
         reward_workers: reward processes that share each call's responses (contiguous shares,
             scored at once: a judge or sandbox that answers per sample runs this many at a time).
+        executor: where the workers run. ``ray``: each in a Ray actor of its own. ``inline``: a
+            plan of one local worker runs in the run's own process, its rewards in a plain child
+            process (no Ray processes, no object store; a worker crash ends the run). ``auto``
+            (the default): inline for a CPU plan of one worker on this machine, else Ray.
         init: ``pretrained`` (the default): every model's weights come from its checkpoint (a
             directory or a Hugging Face hub id). ``random``: train from random weights of the
             model's architecture (its config and tokenizer; a catalogue name gets the built-in
@@ -120,6 +124,7 @@ class RunConfig(BaseModel):
     cpus_per_worker: float = Field(1.0, gt=0)
     reward_timeout_s: float = Field(120.0, gt=0)
     reward_workers: int = Field(1, ge=1)
+    executor: Literal["auto", "ray", "inline"] = "auto"
     init: Literal["pretrained", "random"] = "pretrained"
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
 

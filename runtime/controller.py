@@ -47,10 +47,13 @@ from flowc.runtime.batches import (
 )
 from flowc.runtime.checkpoints import CheckpointDir
 from flowc.runtime.data import Records, RewardFn, tokenize_pairs, tokenize_prompts
+from flowc.runtime.inline import Executor, InlineGroup
 from flowc.runtime.program import MICRO_ARGS, EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step, micro_args
 from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.rewards import Rewards
 from flowc.runtime.worker import WorkerGroup
+
+Group = WorkerGroup | InlineGroup  # a pool's workers: Ray actors, or one worker in this process
 
 UPDATE_TENSORS = ("advantages", "old_logprobs", "ref_logprobs", "returns", "old_values")
 
@@ -68,6 +71,7 @@ class RunSpec:
     rewards: dict[str, RewardFn]  # Reward role → function
     reward_names: dict[str, str] = field(default_factory=dict)
     out_dir: Path = Path("runs/run")
+    executor: Executor = "ray"  # where the workers run: Ray actors, or in this process (runtime.inline)
 
 
 @dataclass
@@ -155,8 +159,14 @@ class Controller:
         self.p = spec.program
         self.cfg = spec.config
         check_response_lengths(self.p, self.cfg)
-        self.rewards = Rewards(spec.rewards, spec.reward_names, self.cfg.reward_timeout_s, self.cfg.reward_workers)
-        self.groups: dict[str, WorkerGroup] = {}
+        self.rewards = Rewards(
+            spec.rewards,
+            spec.reward_names,
+            self.cfg.reward_timeout_s,
+            self.cfg.reward_workers,
+            processes="local" if spec.executor == "inline" else "ray",
+        )
+        self.groups: dict[str, Group] = {}
         self.tok = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.history: list[dict[str, Any]] = []
         self.placement: dict[str, list[dict[str, Any]]] = {}
@@ -180,20 +190,23 @@ class Controller:
         """Create every worker group, join its world, load its engines."""
         t = self.p.target
         for g in self.p.groups:
-            wg = WorkerGroup(
-                g.name,
-                g.size,
-                gpus=t.kind == "gpu",
-                cpus_per_worker=t.cpus_per_worker,
-                strategy="STRICT_PACK" if len(g.nodes) == 1 else "SPREAD",
-                timeout_s=t.timeout_s,
-                roles=", ".join(str(e.key) for e in g.engines),
-            )
+            roles = ", ".join(str(e.key) for e in g.engines)
+            wg: Group
+            if self.s.executor == "inline":
+                wg = InlineGroup(g.name, g.size, cpus_per_worker=t.cpus_per_worker, timeout_s=t.timeout_s, roles=roles)
+            else:
+                strategy = "STRICT_PACK" if len(g.nodes) == 1 else "SPREAD"
+                wg = WorkerGroup(
+                    g.name,
+                    g.size,
+                    gpus=t.kind == "gpu",
+                    cpus_per_worker=t.cpus_per_worker,
+                    strategy=strategy,
+                    timeout_s=t.timeout_s,
+                    roles=roles,
+                )
             self.groups[g.name] = wg
-            self.placement[g.name] = wg.get(wg.call("where"), "start")
-            master = self.placement[g.name][0]["ip"]
-            port = wg.get(wg.workers[0].port.remote(), "start")
-            wg.get(wg.call("init_dist", master, port, t.collective), "joining the process group")
+            self.placement[g.name] = wg.join(t.collective)
             for e in g.engines:
                 wg.get(wg.call("add_engine", e.key, self._init(g, e)), f"loading {e.key}")
 
@@ -241,16 +254,17 @@ class Controller:
         self.groups.clear()
 
     # ------------------------------------------------------------- values
-    def _group_of(self, key: EngineKey) -> tuple[WorkerGroup, EngineSpec]:
+    def _group_of(self, key: EngineKey) -> tuple[Group, EngineSpec]:
         gspec, espec = self.p.engine(key)
         return self.groups[gspec.name], espec
 
     def _sharded(self, v: Any) -> Sharded:
-        """A controller value as one shard: a small one inline in the calls that use it, a bulk
-        one in the object store."""
+        """A controller value as one shard: a small one (or any, when the workers run in this
+        process) inline in the calls that use it, a bulk one in the object store."""
         if isinstance(v, Sharded):
             return v
-        ref = Inline(v.value) if nbytes(v.value) <= INLINE_BYTES else ray.put(v.value)
+        inline = self.s.executor == "inline" or nbytes(v.value) <= INLINE_BYTES
+        ref = Inline(v.value) if inline else ray.put(v.value)
         return Sharded((ref,), (num_rows(v.value),))
 
     def _value(self, env: dict[str, Any], ref: ValueRef) -> Any:
@@ -418,7 +432,7 @@ class Controller:
         counts = [n * (hi - lo) for lo, hi in even_split(src.rows, e.layout.dp)]
         return Sharded(tuple(o[0] for o in out), tuple(counts)), [o[1] for o in out]
 
-    def _generate_call(self, wg: WorkerGroup, e: EngineSpec, src: Sharded, args: dict[str, Any]) -> list[Any]:
+    def _generate_call(self, wg: Group, e: EngineSpec, src: Sharded, args: dict[str, Any]) -> list[Any]:
         """One generate per replica: the ``tp`` ranks of a replica get the same prompts
         (vLLM's tensor-parallel group); only its first rank's output is kept. Each
         replica is told where its rows start, so seeds follow global rows."""
@@ -651,7 +665,7 @@ class Controller:
         self._wait(gen, tmeta, "trainer log-probabilities")
         wg, ge = self._group_of(gen.engine)
         per, tp = self._per_rank({"rollout": rollout}, ge.layout.dp), ge.layout.tp
-        refs = [w.rollout_logprobs.remote(ge.key, per[r // tp]) for r, w in enumerate(wg.workers)]
+        refs = wg.call("rollout_logprobs", per_rank=[(ge.key, per[r // tp]) for r in range(wg.size)])
         engine_lp = wg.get(refs, "rollout log-probabilities")[::tp]
         a = torch.cat(engine_lp, dim=0)
         b = self._materialize(trained)
@@ -659,7 +673,7 @@ class Controller:
         return float(((a - b).abs() * mask).max())
 
     # ----------------------------------------------------------- checkpoints
-    def _trained(self) -> list[tuple[WorkerGroup, EngineSpec]]:
+    def _trained(self) -> list[tuple[Group, EngineSpec]]:
         return [(self.groups[g.name], e) for g in self.p.groups for e in g.engines if e.key.kind == EngineKind.TRAIN]
 
     def clean_checkpoints(self) -> list[Path]:

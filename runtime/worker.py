@@ -1,5 +1,7 @@
-"""Workers (one Ray actor per device) and worker groups (one per pool).
+"""Workers (one process per device) and worker groups (one per pool).
 
+A :class:`Worker` is a plain class: :data:`RayWorker` is it as a Ray actor, and the inline
+executor (:mod:`flowc.runtime.inline`) holds one in the controller's own process.
 A ``WorkerGroup`` is created in a placement group of its pool's bundles,
 joins its workers into one torch.distributed world, hosts the engines the
 program gives it (built by the backend registry from the layout's backend),
@@ -38,7 +40,6 @@ def make_engine(init: EngineInit) -> TrainEngine | RolloutEngine:
     return TrainEngine(impl) if info.role == "trainer" else RolloutEngine(impl, init)
 
 
-@ray.remote
 class Worker:
     """One device's process: a rank of its pool's world and its engines."""
 
@@ -202,11 +203,21 @@ class Worker:
         return True
 
     def shutdown(self) -> bool:
+        """Close the engines (the inline executor's worker; a Ray worker's process is killed instead)
+        and leave the process group."""
         import torch.distributed as dist
 
+        for eng in self.engines.values():
+            close = getattr(eng, "close", None)
+            if close is not None:
+                close()
+        self.engines.clear()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         return True
+
+
+RayWorker = ray.remote(Worker)  # a Worker in a Ray actor of its own
 
 
 def _mesh_of(eng: Any) -> Any:
@@ -239,7 +250,7 @@ class WorkerGroup:
             ) from e
         threads = max(1, int(cpus_per_worker))
         self.workers = [
-            Worker.options(
+            RayWorker.options(
                 num_cpus=cpus_per_worker,
                 num_gpus=1 if gpus else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
@@ -247,6 +258,14 @@ class WorkerGroup:
             ).remote(name, i, size, threads, timeout_s)
             for i in range(size)
         ]
+
+    def join(self, collective: str) -> list[dict[str, Any]]:
+        """Join the workers into one torch.distributed world (rank 0 serves the rendezvous store);
+        returns where each rank runs (node, address, pid)."""
+        where = self.get(self.call("where"), "start")
+        port = self.get(self.workers[0].port.remote(), "start")
+        self.get(self.call("init_dist", where[0]["ip"], port, collective), "joining the process group")
+        return where
 
     def get(self, refs: Any, what: str) -> Any:
         """``ray.get`` with the run's timeout; failures name the group, roles and rank."""

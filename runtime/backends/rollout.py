@@ -98,6 +98,12 @@ class RolloutEngine:
     def sleep(self) -> bool:
         return self.b.sleep()
 
+    def close(self) -> None:
+        """Release what the backend holds beyond its Python objects (vLLM: its engine core), once."""
+        close = getattr(self.b, "close", None)
+        if close is not None:
+            close()
+
     def describe(self) -> dict[str, Any]:
         """The engine as built; a backend adds what it sized itself (vLLM: its KV cache)."""
         own = getattr(self.b, "describe", None)

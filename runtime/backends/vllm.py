@@ -245,6 +245,13 @@ class VllmRollout:
         self.asleep = False
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
 
+    def close(self) -> None:
+        """Shut the engine core down now (its executor and the process groups vLLM set up), not at
+        interpreter exit, where its finalizer would find them torn down already (the inline executor)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
     def describe(self) -> dict[str, Any]:
         """The KV cache vLLM allocated: its blocks and tokens (one block is vLLM's null block),
         and on CPUs its bytes (the plan's)."""

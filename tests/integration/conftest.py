@@ -26,11 +26,11 @@ def vllm_worker(ray_cluster):
     from flowc.ir.plan import Layout
     from flowc.runtime.backends import EngineInit
     from flowc.runtime.program import EngineKey, EngineKind
-    from flowc.runtime.worker import Worker
+    from flowc.runtime.worker import RayWorker
     from flowc.tasks import arithmetic as arith
 
     src = str(arith.asset_dir())
-    w = Worker.options(num_cpus=1, name="flowc-test-vllm").remote("vllm-test", 0, 1, 1, 600.0)
+    w = RayWorker.options(num_cpus=1, name="flowc-test-vllm").remote("vllm-test", 0, 1, 1, 600.0)
     init = EngineInit(
         role="actor",
         kind="policy",

@@ -88,7 +88,8 @@ def test_killed_stopped_and_terminated_runs_resume_bit_identical(tmp_path):
     import torch
 
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("checkpoint_every: 1\neval_every: 0\nseed: 5\ntimeout_s: 25\nkeep_checkpoints: 2\n")
+    # executor: ray — the test kills and stops worker processes (an inline run has none of its own)
+    cfg.write_text("checkpoint_every: 1\neval_every: 0\nseed: 5\ntimeout_s: 25\nkeep_checkpoints: 2\nexecutor: ray\n")
     common = ["--rollout", "hf", "-q", "--config", str(cfg), "--workload", "prompts=16,prompt_len=8,response_len=6"]
     grpo = str(EXAMPLES / "grpo.py")
     drivers: list[int] = []

@@ -183,11 +183,11 @@ def test_a_local_run_listens_on_loopback_only(ray_cluster):
 
     from flowc.runtime.ray_session import running_temp_dir
     from flowc.runtime.reaper import session_pids
-    from flowc.runtime.worker import Worker
+    from flowc.runtime.worker import RayWorker
 
     tmp = running_temp_dir()
     assert tmp, "the test session's Ray was not started by flowc"
-    ws = [Worker.options(num_cpus=0).remote("loopback", r, 2, 1, 60.0) for r in range(2)]
+    ws = [RayWorker.options(num_cpus=0).remote("loopback", r, 2, 1, 60.0) for r in range(2)]
     try:
         ip = ray.get(ws[0].where.remote())["ip"]
         assert ip == "127.0.0.1"

@@ -1,0 +1,160 @@
+"""Reward functions in a plain child process (the inline executor's rewards; no Ray).
+
+The same guarantees as the Ray reward actors (:mod:`flowc.runtime.reward_worker`): the user's
+function runs in a process of its own that holds no torch, each call has a deadline after
+which the process is killed (a fresh one serves the next call), and a function that raises,
+returns garbage or kills its interpreter fails the run with an error naming the reward, the
+step and the rows. The child is ``python -m flowc.runtime.reward_process``; requests and
+answers are length-prefixed cloudpickle frames on its stdin and on a private copy of its
+stdout (the user's prints go to stderr, so they cannot corrupt an answer). On Linux the child
+is killed with its parent (``PR_SET_PDEATHSIG``), so a SIGKILLed run leaves none behind.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import struct
+import subprocess
+import sys
+import time
+from typing import Any, BinaryIO
+
+import cloudpickle
+
+from flowc.errors import DataError
+from flowc.runtime.reward_calls import score_reward
+
+_HEADER = struct.Struct(">Q")
+
+
+class Timeout(Exception):
+    """No answer before the deadline."""
+
+
+class Crashed(Exception):
+    """The process ended without answering."""
+
+
+def _write(f: BinaryIO, obj: Any) -> None:
+    blob = cloudpickle.dumps(obj)
+    f.write(_HEADER.pack(len(blob)) + blob)
+    f.flush()
+
+
+def _read_blocking(f: BinaryIO) -> Any:
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    (n,) = _HEADER.unpack(head)
+    return cloudpickle.loads(f.read(n))
+
+
+def _read_exact(fd: int, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise Timeout
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise Crashed
+        buf += chunk
+    return bytes(buf)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class RewardProcess:
+    """One child process holding the run's reward functions; one call at a time."""
+
+    def __init__(self, payload: bytes) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flowc.runtime.reward_process"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # a Ctrl-C at the terminal is the run's to handle, not the reward's
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(_HEADER.pack(len(payload)) + payload)
+        self.proc.stdin.flush()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, *msg: Any) -> None:
+        try:
+            _write(self.proc.stdin, msg)  # type: ignore[arg-type]
+        except (BrokenPipeError, OSError):
+            raise Crashed from None
+
+    def receive(self, deadline: float) -> tuple[str, Any]:
+        """The answer to the last request; :class:`Timeout` past ``deadline`` (``time.monotonic``),
+        :class:`Crashed` when the process ended instead."""
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+        return cloudpickle.loads(_read_exact(fd, n, deadline))
+
+    def call(self, *msg: Any, timeout_s: float = 60.0) -> Any:
+        """A request and its answer (tests: ``imported``, ``pid``)."""
+        self.send(*msg)
+        kind, value = self.receive(time.monotonic() + timeout_s)
+        if kind != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+
+
+def pickled_functions(fns: dict[str, Any], names: dict[str, str]) -> bytes:
+    return cloudpickle.dumps((fns, names))
+
+
+def _answer(fns: dict[str, Any], names: dict[str, str], msg: tuple) -> tuple[str, Any]:
+    op, *args = msg
+    if op == "score":
+        role, prompts, responses, columns, offset = args
+        try:
+            return "ok", score_reward(fns[role], names.get(role, role), prompts, responses, columns, offset=offset)
+        except DataError as e:
+            return "data_error", (e.what, e.fix)
+        except Exception as e:  # the user's code: what it raises is the answer (an exit ends the process)
+            return "error", f"{type(e).__name__}: {e}"
+    if op == "imported":
+        return "ok", args[0] in sys.modules
+    if op == "pid":
+        return "ok", os.getpid()
+    return "error", f"unknown request {op!r}"
+
+
+def main() -> None:
+    out = os.fdopen(os.dup(1), "wb")  # the answers' channel; fd 1 (print) now goes to stderr
+    os.dup2(2, 1)
+    src = sys.stdin.buffer
+    fns, names = _read_blocking(src)
+    while (msg := _read_blocking(src)) is not None:  # None: the parent closed the pipe (it is gone)
+        _write(out, _answer(fns, names, msg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The inline executor: a plan of one local worker runs in the controller's process, its rewards
+in a plain child process, and computes exactly what the same plan computes on Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import EXAMPLES, ROOT, flowc_cmd, request
+from safetensors.torch import load_file
+
+from flowc.errors import DataError, RuntimeFailure, SpecError, WorkerError
+from flowc.ir.run_config import RunConfig
+from flowc.rewards import adapt
+from flowc.run import prepare, run
+from flowc.runtime.controller import Controller
+from flowc.runtime.inline import TIMEOUT_EXIT, InlineGroup, choose_executor
+from flowc.runtime.program import EngineKey, EngineKind
+from flowc.runtime.rewards import Rewards
+from flowc.tasks.arithmetic import exact_match
+
+WORKLOAD = "prompts=8,prompt_len=8,response_len=6"
+
+
+def _rows(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step_s"' in x]
+
+
+def _weights(out) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted((out / "final").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_auto_runs_one_local_cpu_worker_inline_and_everything_else_on_ray(tmp_path):
+    one = prepare(request(tmp_path, cluster="local:1", workload=WORKLOAD), dry_run=True).run
+    two = prepare(request(tmp_path, cluster="local:2", workload=WORKLOAD), dry_run=True).run
+    assert one.executor == "inline" and two.executor == "ray"
+    p1, p2 = one.program, two.program
+    assert choose_executor("auto", p1, local=False) == "ray"  # joining a cluster: its workers are elsewhere
+    assert choose_executor("ray", p1, local=True) == "ray"
+    assert choose_executor("inline", p1, local=True) == "inline"
+    gpu = dataclasses.replace(p1, target=p1.target.model_copy(update={"kind": "gpu"}))
+    assert choose_executor("auto", gpu, local=True) == "ray"  # inline on a GPU only when asked for
+    with pytest.raises(SpecError, match="has 2 workers") as e:
+        choose_executor("inline", p2, local=True)
+    assert "local:1" in e.value.fix
+    with pytest.raises(SpecError, match="joins a Ray cluster"):
+        choose_executor("inline", p1, local=False)
+    cfg = RunConfig(executor="ray", steps=3, eval_every=0, checkpoint_every=0)
+    assert prepare(request(tmp_path, cluster="local:1", workload=WORKLOAD, config=cfg), dry_run=True).run.executor == "ray"
+
+
+@pytest.mark.slow
+def test_inline_and_ray_compute_the_same_run(ray_cluster, tmp_path):
+    """The same plan, seed and data on both executors: the same rewards, losses, lengths and
+    trained weights, to the bit (one process with the same threads runs the same kernels)."""
+    outs = {}
+    for executor in ("ray", "inline"):
+        cfg = RunConfig(steps=3, eval_every=3, eval_size=16, checkpoint_every=0, seed=7, executor=executor)
+        req = request(tmp_path / executor, cluster="local:1", workload=WORKLOAD, config=cfg, out=str(tmp_path / executor))
+        outs[executor] = run(req, progress=False)
+    placement = {k: json.loads((o / "placement.json").read_text()) for k, o in outs.items()}
+    (inline_rank,) = next(iter(placement["inline"].values()))
+    assert inline_rank["executor"] == "inline" and "executor" not in next(iter(placement["ray"].values()))[0]
+    ray_rows, inline_rows = _rows(outs["ray"]), _rows(outs["inline"])
+    keys = ["reward", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "response_length/mean"]
+    keys += ["gen_tokens", "eval/accuracy"]
+    for a, b in zip(ray_rows, inline_rows, strict=True):
+        assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+    wa, wb = _weights(outs["ray"]), _weights(outs["inline"])
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_inline_controller_syncs_its_rollout_engine_and_names_failures(tmp_path):
+    """No Ray at all: the engines live in this process, the rollout engine holds the trained
+    weights after each sync, and a failing call is a WorkerError naming the group and the call."""
+    cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0, executor="inline")
+    spec = prepare(request(tmp_path, cluster="local:1", workload=WORKLOAD, config=cfg)).run
+    ctl = Controller(spec)
+    try:
+        ctl.start()
+        (group,) = ctl.groups.values()
+        assert isinstance(group, InlineGroup)
+        m = ctl.run_step(0)
+        assert m["reward"] >= 0 and m["perf/controller_fraction"] < 1
+        assert ctl.sync_error("actor") < 1e-5
+        with pytest.raises(WorkerError, match=r"rollout_logprobs\(critic/rollout\) failed on worker group .*KeyError"):
+            group.get(group.call("rollout_logprobs", EngineKey("critic", EngineKind.ROLLOUT), {}), "probe")
+    finally:
+        ctl.shutdown()
+
+
+def test_a_call_past_its_deadline_ends_the_process_loudly():
+    code = (
+        "import time\nfrom flowc.runtime.inline import deadline\n"
+        "with deadline(0.5, 'run(actor.train, update) on worker group g (actor.train)'):\n    time.sleep(30)\n"
+    )
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == TIMEOUT_EXIT and time.time() - t0 < 20
+    assert "run(actor.train, update) on worker group g (actor.train) did not finish within 0.5 s" in r.stderr
+    assert "raise timeout_s" in r.stderr and 'File "<string>", line 4' in r.stderr  # every thread's stack
+
+
+def test_a_one_worker_cli_run_starts_no_ray(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", str(EXAMPLES / "grpo.py"), "--cluster", "local:1", "--rollout", "hf", "--steps", "2"]
+    args += ["--workload", WORKLOAD, "--out", str(out), "-q", "--set", "eval_every=0"]
+    r = subprocess.run(flowc_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Ray" not in r.stderr, r.stderr[-3000:]
+    (ranks,) = json.loads((out / "placement.json").read_text()).values()
+    assert [w["executor"] for w in ranks] == ["inline"]
+    assert [m["step"] for m in _rows(out)] == [1, 2]
+
+
+# ---------------------------------------------------------------- rewards in plain child processes
+def pid_and_index(prompts, responses, **columns):
+    print("a reward that prints does not disturb its answers")
+    return [{"score": 0.0, "index": float(i)} for i in columns["i"]]
+
+
+def verl_match(data_source, solution_str, ground_truth):
+    return float(solution_str == ground_truth)
+
+
+def raises(prompts, responses, **columns):
+    raise ValueError("judge offline")
+
+
+def exits(prompts, responses, **columns):
+    import os
+
+    os._exit(3)
+
+
+def hangs(prompts, responses, **columns):
+    time.sleep(3600)
+
+
+def test_local_reward_processes_score_share_and_fail_loudly():
+    fns = {"a": pid_and_index, "r": exact_match, "v": adapt(verl_match), "bad": raises, "exit": exits, "hang": hangs}
+    pool = Rewards(fns, {}, timeout_s=3, workers=2, processes="local")
+    try:
+        scores, extras = pool.score_with_metrics("a", ["p"] * 5, ["r"] * 5, {"i": list(range(5))}, where="test")
+        assert scores.tolist() == [0.0] * 5 and extras == {"index": pytest.approx(2.0)}  # the batch's mean over both shares
+        got = pool.score("r", ["1+1=", "2+2="], ["2", "5"], {"answer": ["2", "4"]}, where="test")
+        assert got.dtype == torch.float32 and got.tolist() == [1.0, 0.0]
+        verl_cols = {"data_source": ["d"] * 2, "reward_model": [{"ground_truth": "1"}] * 2}
+        assert pool.score("v", ["p"] * 2, ["1", "2"], verl_cols, where="test").tolist() == [1.0, 0.0]
+        procs = pool._actors()
+        assert len({w.call("pid") for w in procs}) == 2 and not any(w.call("imported", "torch") for w in procs)
+        with pytest.raises(DataError, match=r"at step 3: reward function bad raised ValueError: judge offline"):
+            pool.score("bad", ["p"] * 4, ["r"] * 4, {}, where="step 3")
+        assert pool._actors() == procs  # a raising function leaves its processes serving
+        t0 = time.time()
+        with pytest.raises(DataError, match=r"did not return within 3 s at step 4; its process was killed"):
+            pool.score("hang", ["p"] * 2, ["r"] * 2, {}, where="step 4")
+        assert time.time() - t0 < 10 and all(w.proc.poll() is not None for w in procs)
+        with pytest.raises(RuntimeFailure, match=r"killed its process at step 5 \(it exited or crashed: exit code 3\)"):
+            pool.score("exit", ["p"] * 2, ["r"] * 2, {}, where="step 5")
+        assert pool.score("r", ["1+1="], ["2"], {"answer": ["2"]}, where="after").tolist() == [1.0]  # fresh processes
+    finally:
+        pool.stop()
