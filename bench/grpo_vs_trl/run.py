@@ -2,6 +2,7 @@
 
     bash bench/grpo_vs_trl/setup.sh             # TRL in its own environment (bench/.venv-trl)
     python bench/grpo_vs_trl/run.py [--rounds 3] [--steps 12] [--sizes tiny,mid] [--rollout vllm|hf] [--bf16]
+                                    [--executors inline,ray]
 
 Both run GRPO without a reference model on the built-in arithmetic task with
 the same model, batch (8 prompts × 8 samples), response limit (24 tokens),
@@ -13,6 +14,9 @@ processes included for flowc) both as the sum of resident sets (RSS: shared
 library pages counted once per process) and as the proportional set size (PSS:
 each shared page split among the processes that map it, so the sum is what the
 tree takes from the machine), and the ratio flowc/TRL.
+
+With ``--executors inline,ray`` flowc runs once per executor in each round (a row each: the
+inline executor against Ray's on the same plan); the default is the run's own choice (``auto``).
 
 With ``--bf16`` each system also runs in mixed precision (fp32 master weights, bf16 matmuls:
 flowc's ``dtype: bfloat16``, TRL's ``bf16=True``) as a second row, in the same alternation.
@@ -104,10 +108,12 @@ def launch(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedPro
     return r, peak
 
 
-def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None = None, bf16: bool = False) -> dict:
+def run_flowc(
+    model: str, steps: int, lr: float, work: Path, rollout: str | None = None, bf16: bool = False, executor: str = "auto"
+) -> dict:
     cfg = work / "flowc.yaml"
     dtype = "bfloat16" if bf16 else "float32"
-    cfg.write_text(f"eval_every: 0\ncheckpoint_every: 0\ndtype: {dtype}\ndefault_optim: {{lr: {lr}}}\n")
+    cfg.write_text(f"eval_every: 0\ncheckpoint_every: 0\ndtype: {dtype}\ndefault_optim: {{lr: {lr}}}\nexecutor: {executor}\n")
     out = work / f"flowc-{time.time_ns()}"
     cmd = [
         sys.executable,
@@ -134,6 +140,7 @@ def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None
     tokens = statistics.median(r["gen_tokens"] / r["step_s"] for r in rows)
     controller = statistics.median(r.get("perf/controller_fraction", float("nan")) for r in rows)
     backend = json.loads((out / "plan.json").read_text())["roles"]["actor"]["phases"]["generate"]["layout"]["backend"]
+    ranks = [w for ws in json.loads((out / "placement.json").read_text()).values() for w in ws]
     return {
         "step_s": step,
         "tokens_per_s": tokens,
@@ -141,6 +148,7 @@ def run_flowc(model: str, steps: int, lr: float, work: Path, rollout: str | None
         "pss_gb": peak[1],
         "controller": controller,
         "backend": backend,
+        "executor": "inline" if all(w.get("executor") == "inline" for w in ranks) else "ray",
     }
 
 
@@ -170,27 +178,31 @@ def main() -> None:
     ap.add_argument("--sizes", default="tiny,mid")
     ap.add_argument("--rollout", default=None, help="flowc's generation backend (default: the planner's choice)")
     ap.add_argument("--bf16", action="store_true", help="also run each system in bf16 mixed precision (a second row)")
+    ap.add_argument(
+        "--executors", default="auto", help="flowc's executors, a row each (e.g. inline,ray; default: the run's choice)"
+    )
     args = ap.parse_args()
     if not TRL_PY.exists():
         sys.exit("TRL's environment is missing: run bash bench/grpo_vs_trl/setup.sh first")
     cache = ROOT / "bench" / ".cache"
     cache.mkdir(exist_ok=True)
     precisions = ("fp32", "bf16") if args.bf16 else ("fp32",)
+    executors = args.executors.split(",")
+    systems = [f"flowc:{ex}" for ex in executors] + ["trl"]
     results: dict[str, dict[tuple[str, str], list[dict]]] = {}
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         for size in args.sizes.split(","):
             model = model_dir(size, cache)
-            results[size] = {(s, p): [] for p in precisions for s in ("flowc", "trl")}
+            results[size] = {(s, p): [] for p in precisions for s in systems}
             for r in range(args.rounds):
                 for prec in precisions:
                     bf16 = prec == "bf16"
-                    results[size]["flowc", prec].append(run_flowc(model, args.steps, args.lr, work, args.rollout, bf16))
+                    for ex in executors:
+                        got = run_flowc(model, args.steps, args.lr, work, args.rollout, bf16, ex)
+                        results[size][f"flowc:{ex}", prec].append(got)
                     results[size]["trl", prec].append(run_trl(model, args.steps, args.lr, work, bf16))
-                    print(
-                        f"{size} {prec} round {r + 1}: flowc {results[size]['flowc', prec][-1]}  trl {results[size]['trl', prec][-1]}",
-                        flush=True,
-                    )
+                    print(f"{size} {prec} round {r + 1}: " + "  ".join(f"{s} {results[size][s, prec][-1]}" for s in systems))
     print()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; {args.rounds} alternating rounds of {args.steps} steps (first {WARMUP} dropped), medians"
@@ -206,16 +218,18 @@ def main() -> None:
             for k, runs in res.items()
         }
         for prec in precisions:
-            fl, tr = med["flowc", prec], med["trl", prec]
-            for s, m in (("flowc", fl), ("trl", tr)):
+            tr = med["trl", prec]
+            for s in systems:
+                m = med[s, prec]
                 length = m["tokens_per_s"] * m["step_s"] / 64
                 ratios = ("", "")
                 name, ctl = "TRL 1.16", ""
-                if s == "flowc":
-                    ratios = (f"{tr['step_s'] / fl['step_s']:.2f}×", f"{fl['tokens_per_s'] / tr['tokens_per_s']:.2f}×")
-                    backends = "/".join(sorted({x["backend"] for x in res["flowc", prec]}))
-                    name = f"flowc ({backends})"
-                    ctl = f"{statistics.median(x['controller'] for x in res['flowc', prec]):.0%}"
+                if s != "trl":
+                    ratios = (f"{tr['step_s'] / m['step_s']:.2f}×", f"{m['tokens_per_s'] / tr['tokens_per_s']:.2f}×")
+                    backends = "/".join(sorted({x["backend"] for x in res[s, prec]}))
+                    ran = "/".join(sorted({x["executor"] for x in res[s, prec]}))
+                    name = f"flowc ({backends}, {ran})"
+                    ctl = f"{statistics.median(x['controller'] for x in res[s, prec]):.0%}"
                 print(
                     f"| {size} | {prec} | {name} | {m['step_s']:.3f} | {64 / m['step_s']:.0f} | {m['tokens_per_s']:.0f} | {length:.1f} | {m['peak_gb']:.2f} GB | {m['pss_gb']:.2f} GB | {ctl} | {ratios[0]} | {ratios[1]} |"
                 )
