@@ -102,7 +102,8 @@ def features(backend: str, model: str, batch: dict) -> tuple[list[float], float]
     from flowc.ir.cluster import ClusterSpec
     from flowc.ir.models import ModelSpec
     from flowc.ir.plan import STATIC_BATCH_BACKENDS, Layout
-    from flowc.passes.costs import Hw, decode_step_device_s, prefill_device_s
+    from flowc.passes.costs import Hw
+    from flowc.passes.generation_costs import decode_step_device_s, prefill_device_s
 
     m = ModelSpec.resolve(model).model_copy(update={"dtype": "float32"})
     hw = Hw.of(ClusterSpec.parse("local:1"), "float32")  # measured in fp32 on every core

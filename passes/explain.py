@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Alternative
-from flowc.passes.costs import PhaseCost, generate_cost
+from flowc.passes.costs import PhaseCost
+from flowc.passes.generation_costs import generate_cost
 from flowc.passes.manager import PlanContext
 from flowc.passes.options import OptionTable, UnitOption
 from flowc.passes.pools import GenChoice

@@ -16,9 +16,11 @@ from functools import cache
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.ir.workload import WorkloadSpec
-from flowc.passes.costs import GB, Hw, PhaseCost, forward_cost, generation_weights_gb, replica_sequences, train_cost
+from flowc.passes.costs import GB, Hw, PhaseCost, replica_sequences
 from flowc.passes.flops import Demand
+from flowc.passes.generation_costs import generation_weights_gb
 from flowc.passes.pins import Pins
+from flowc.passes.train_costs import forward_cost, train_cost
 from flowc.passes.units import Unit
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

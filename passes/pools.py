@@ -21,7 +21,8 @@ from functools import cache
 import numpy as np
 
 from flowc.ir.plan import Layout
-from flowc.passes.costs import GB, PhaseCost, generate_cost, generation_weights_gb
+from flowc.passes.costs import GB, PhaseCost
+from flowc.passes.generation_costs import generate_cost, generation_weights_gb
 from flowc.passes.options import OptionTable, UnitOption, tp_refusal
 from flowc.passes.reshard import ReshardCost, sync_cost
 

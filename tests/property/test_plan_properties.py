@@ -23,12 +23,14 @@ from flowc.ir.plan_verify import device_ids, verify_plan
 from flowc.ir.verify import verify
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
-from flowc.passes.costs import Hw, forward_cost, generation_weights_gb
+from flowc.passes.costs import Hw
 from flowc.passes.flops import Demand
+from flowc.passes.generation_costs import generation_weights_gb
 from flowc.passes.options import OptionTable, divisors, pareto
 from flowc.passes.pins import Pins
 from flowc.passes.pipeline import make_plan
 from flowc.passes.reshard import _cut, deliveries, gen_shards, part_bytes
+from flowc.passes.train_costs import forward_cost
 from flowc.passes.units import demands, units_of
 
 

@@ -7,15 +7,10 @@ import pytest
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout, kv_tokens_held
-from flowc.passes.costs import (
-    Hw,
-    forward_cost,
-    generate_cost,
-    params_per_device,
-    train_cost,
-    train_state_gb,
-)
+from flowc.passes.costs import Hw, params_per_device, train_state_gb
 from flowc.passes.flops import Demand, forward_flops, matmul_params, train_flops
+from flowc.passes.generation_costs import generate_cost
+from flowc.passes.train_costs import forward_cost, train_cost
 
 Q7 = ModelSpec.resolve("qwen2.5-7b")
 MOE = ModelSpec.resolve("qwen3-30b-a3b")
@@ -192,7 +187,7 @@ def test_a_micro_batchs_fixed_cost_includes_the_master_weight_cast():
     """fsdp2 in bf16 over fp32 master weights casts them every micro-batch (16 bytes per
     parameter with the gradient accumulation); Megatron holds bf16 parameters and does not.
     The fixed cost is reported in tokens of compute for the runtime's cuts."""
-    from flowc.passes.costs import MASTER_CAST_BYTES
+    from flowc.passes.train_costs import MASTER_CAST_BYTES
 
     d = Demand(sequences=256, prompt_len=512, response_len=512, mean_response_len=512)
     one, four = Layout(dp=8, fsdp=False, micro_batch=32), Layout(dp=8, fsdp=False, micro_batch=8)

@@ -211,7 +211,7 @@ def test_a_sleeping_training_state_lends_the_engine_no_weights():
 
     from flowc.ir.workload import WorkloadSpec
     from flowc.loader import load_flow
-    from flowc.passes.costs import generation_weights_gb
+    from flowc.passes.generation_costs import generation_weights_gb
     from flowc.passes.pins import parse_pins
     from flowc.passes.pipeline import make_plan
 

@@ -21,8 +21,9 @@ from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout, Target
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
-from flowc.passes.costs import Hw, generate_cost, longest_of
+from flowc.passes.costs import Hw
 from flowc.passes.flops import Demand
+from flowc.passes.generation_costs import generate_cost, longest_of
 from flowc.passes.pins import parse_pins
 from flowc.passes.pipeline import make_plan
 from flowc.runtime.controller import covered_seconds
