@@ -42,15 +42,16 @@ from flowc.runtime.batches import (
     minibatch_rows,
     nbytes,
     num_rows,
-    project,
     take_rows,
 )
 from flowc.runtime.checkpoints import CheckpointDir
 from flowc.runtime.data import Records, RewardFn, tokenize_pairs, tokenize_prompts
 from flowc.runtime.inline import Executor, InlineGroup
+from flowc.runtime.iteration import Iteration, Local, value_at
 from flowc.runtime.program import MICRO_ARGS, EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step, micro_args
 from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.rewards import Rewards
+from flowc.runtime.step_metrics import StepTally, step_metrics
 from flowc.runtime.worker import WorkerGroup
 
 Group = WorkerGroup | InlineGroup  # a pool's workers: Ray actors, or one worker in this process
@@ -72,68 +73,6 @@ class RunSpec:
     reward_names: dict[str, str] = field(default_factory=dict)
     out_dir: Path = Path("runs/run")
     executor: Executor = "ray"  # where the workers run: Ray actors, or in this process (runtime.inline)
-
-
-@dataclass
-class Local:
-    """A value held by the controller itself."""
-
-    value: Any
-
-
-@dataclass
-class Iteration:
-    """The values and pending results of one pass over the steps (a filter round is one too)."""
-
-    step: int
-    round: int
-    prompts: list[str]  # the batch's prompt texts
-    columns: dict[str, list[Any]]  # its other data columns
-    rows: list[int] = field(default_factory=list)  # the data rows drawn (for errors)
-    env: dict[str, Any] = field(default_factory=dict)  # node → Sharded | Local
-    metas: dict[str, list[Any]] = field(default_factory=dict)  # device node → refs of its metadata
-    samples: dict[str, int] = field(default_factory=dict)  # generate node → n
-    reward_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # reward node → its dicts' extra numbers
-
-
-SAMPLES_PER_STEP = 4  # (prompt, response, score) rows a step's metrics carry for the trackers' tables
-
-# flowc's training statistics under verl's names (the same meaning): metric ``ROLE/NAME``
-VERL_STAT_NAMES = {"clip_frac": "pg_clipfrac", "vf_clip_frac": "vf_clipfrac", "kl": "kl_loss"}
-
-
-def batch_stats(prefix: str, values: list[float], *, limit: int | None = None) -> dict[str, float]:
-    """verl's statistics of a batch: ``PREFIX/mean|max|min`` (and ``PREFIX/clip_ratio``, the share
-    of values at ``limit``: responses cut off at the token limit)."""
-    if not values:
-        return {}
-    out = {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
-    if limit:
-        out[f"{prefix}/clip_ratio"] = sum(1 for v in values if v >= limit) / len(values)
-    return {k: float(v) for k, v in out.items()}
-
-
-def covered_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Seconds of ``[lo, hi]`` that the union of ``(start, seconds)`` spans covers."""
-    total, end = 0.0, lo
-    for start, sec in sorted(spans):
-        a, b = max(start, end), min(start + sec, hi)
-        if b > a:
-            total += b - a
-            end = b
-    return total
-
-
-def _valid(x: Any, lengths: list[int] | None) -> list[float]:
-    """The values of a per-row ([B]) or per-token ([B, R]) tensor, a row's tokens cut at its response length."""
-    if not isinstance(x, torch.Tensor):
-        return []
-    x = x.detach().float().cpu()
-    if x.dim() < 2:
-        return x.flatten().tolist()
-    if lengths is None or len(lengths) != x.shape[0]:
-        return x.flatten().tolist()
-    return [v for row, n in zip(x.tolist(), lengths, strict=True) for v in row[: int(n)]]
 
 
 def check_response_lengths(p: Program, cfg: RunConfig) -> None:
@@ -171,7 +110,7 @@ class Controller:
         self.history: list[dict[str, Any]] = []
         self.placement: dict[str, list[dict[str, Any]]] = {}
         # what a step's filter rounds add to its metrics (extra device seconds, tokens); reset per step
-        self._extra: dict[str, Any] = {"seconds": {}, "tokens": 0, "metrics": {}, "busy": []}
+        self._tally = StepTally()
         self._handlers: dict[Op, Callable[[Step, Node, Iteration], None]] = {
             Op.INPUT: self._input,
             Op.GENERATE: self._generate_step,
@@ -267,15 +206,6 @@ class Controller:
         ref = Inline(v.value) if inline else ray.put(v.value)
         return Sharded((ref,), (num_rows(v.value),))
 
-    def _value(self, env: dict[str, Any], ref: ValueRef) -> Any:
-        base = env[ref.node]
-        if isinstance(base, Sharded):
-            out = base
-            for p in ref.path:
-                out = out.project(p)
-            return out
-        return Local(project(base.value, ref.path))
-
     def _materialize(self, v: Any) -> Any:
         if isinstance(v, Local):
             return v.value
@@ -283,7 +213,7 @@ class Controller:
 
     def _arg(self, env: dict[str, Any], x: Any) -> Any:
         if isinstance(x, ValueRef):
-            return self._materialize(self._value(env, x))
+            return self._materialize(value_at(env, x))
         if isinstance(x, (list, tuple)):
             return type(x)(self._arg(env, y) for y in x)
         if isinstance(x, dict):
@@ -302,15 +232,14 @@ class Controller:
     # -------------------------------------------------------------- a step
     def run_step(self, step: int) -> dict[str, Any]:
         t_step = time.perf_counter()
-        # busy: (start, seconds) of the work the step waits on — the workers' ops, the reward calls
-        self._extra = {"seconds": {}, "tokens": 0, "metrics": {}, "busy": [], "t0": time.time()}
+        self._tally = StepTally()  # what the step adds up beyond its ops' reports (filter rounds, busy spans)
         it = self._iteration(step, 0)
         for st in self.p.steps:
             if st.op == Op.FILTER:
                 it.env[st.node] = self._filter(st, it)
             else:
                 self._exec(st, it)
-        return self._metrics(step, it, t_step)
+        return step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
 
     def _iteration(self, step: int, round_: int) -> Iteration:
         """The prompts of ``step`` (a fresh draw of its own for each filter round) and the other data columns."""
@@ -343,7 +272,7 @@ class Controller:
         it.env[st.node], it.metas[st.node] = self._generate(st, it.env[node.args[0].node], n, it.step, it.round)
 
     def _forward_step(self, st: Step, node: Node, it: Iteration) -> None:
-        it.env[st.node], it.metas[st.node] = self._forward(st, self._value(it.env, node.args[0]))
+        it.env[st.node], it.metas[st.node] = self._forward(st, value_at(it.env, node.args[0]))
 
     def _update_step(self, st: Step, node: Node, it: Iteration) -> None:
         it.metas[st.node] = self._update(st, it.env, node)
@@ -365,7 +294,7 @@ class Controller:
         )
         start, t0 = time.time(), time.perf_counter()
         scores, it.reward_metrics[st.node] = self.rewards.score_with_metrics(node.role, ptext, texts, cols, where=where)
-        self._extra["busy"].append((start, time.perf_counter() - t0))  # the user's reward code: not the controller's
+        self._tally.busy.append((start, time.perf_counter() - t0))  # the user's reward code: not the controller's
         it.env[st.node] = Local(scores)
 
     def _compute(self, st: Step, node: Node, it: Iteration) -> None:
@@ -401,11 +330,11 @@ class Controller:
             for s in steps:  # this round's device time and generated tokens count toward the step
                 if s.node in again.metas:
                     got = self._wait(s, again.metas[s.node], s.op)
-                    sec = self._extra["seconds"]
+                    sec = self._tally.seconds
                     sec[s.node] = sec.get(s.node, 0.0) + max(x.get("seconds", 0.0) for x in got)
-                    self._extra["busy"] += [(x["start"], x["seconds"]) for x in got if "start" in x]
+                    self._tally.ran(got)
                     if s.op == Op.GENERATE:
-                        self._extra["tokens"] += sum(x["tokens"] for x in got)
+                        self._tally.tokens += sum(x["tokens"] for x in got)
             rollout, scores = self._arg(again.env, node.args[0]), self._arg(again.env, node.args[1])
             keep, rounds = varied_groups(scores, k), rounds + 1
         if n_kept < want:  # rounds ran out: top up with groups that carry no gradient
@@ -413,7 +342,7 @@ class Controller:
             kept.append((take_rows(spare[0], rows), spare[1][rows]))
         out_rollout = take_rows(cat_rows([r for r, _ in kept]), torch.arange(want * k))
         out_scores = torch.cat([s for _, s in kept])[: want * k]
-        self._extra["metrics"].update(
+        self._tally.metrics.update(
             {
                 f"{st.node}/rounds": rounds,
                 f"{st.node}/kept_groups": min(n_kept, want) / want,
@@ -459,10 +388,10 @@ class Controller:
 
     def _update(self, st: Step, env: dict[str, Any], node: Node) -> list[Any]:
         wg, e = self._group_of(st.engine)
-        values: dict[str, Sharded] = {"rollout": self._sharded(self._value(env, node.args[0]))}
+        values: dict[str, Sharded] = {"rollout": self._sharded(value_at(env, node.args[0]))}
         for name in UPDATE_TENSORS:
             if name in node.kwargs:
-                v = self._value(env, node.kwargs[name])
+                v = value_at(env, node.kwargs[name])
                 values[name] = self._sharded(v) if isinstance(v, Local) else v
         w = self.p.workload
         unit = 2 if isinstance(node.kwargs["loss"], PREFERENCE_LOSSES) else 1  # DPO's pairs stay on one rank
@@ -495,99 +424,8 @@ class Controller:
         exported = train.get(
             train.call("export_weights", st.engine, st.args["bucket_bytes"]), f"weight sync {st.engine.role} (gather)"
         )
-        self._extra["busy"] += [(meta["start"], meta["seconds"]) for _, meta in exported]
+        self._tally.ran([meta for _, meta in exported])
         return gen.call("import_weights", st.args["to"], exported[0][0])
-
-    # -------------------------------------------------------------- metrics
-    def _metrics(self, step: int, it: Iteration, t_step: float) -> dict[str, Any]:
-        g = self.p.graph
-        m: dict[str, Any] = {"step": step + 1}
-        measured: dict[str, float] = {}
-        gen_tokens = 0
-        tokens_of: dict[str, int] = {}
-        lengths_of: dict[str, list[int]] = {}
-        texts_of: dict[str, list[str]] = {}
-        for st in self.p.steps:
-            if st.node not in it.metas:
-                continue
-            got = self._wait(st, it.metas[st.node], st.op)
-            measured[st.node] = max(x.get("seconds", 0.0) for x in got)
-            self._extra["busy"] += [(x["start"], x["seconds"]) for x in got if "start" in x]
-            used = [x["device_gb"] for x in got if "device_gb" in x]
-            if used:
-                m["device_gb"] = max([m.get("device_gb", 0.0), *used])  # GPU memory in use after an op, worst device
-            role = g[st.node].role
-            if st.op == Op.GENERATE:
-                tokens_of[st.node] = sum(x["tokens"] for x in got)
-                gen_tokens += tokens_of[st.node]
-                lengths_of[st.node] = [n for x in got for n in x.get("lengths", [])]
-                texts_of[st.node] = [t for x in got for t in x.get("texts", [])]
-            elif st.op == Op.UPDATE:
-                stats = [x["stats"] for x in got]
-                for k in stats[0]:
-                    m[f"{role}/{VERL_STAT_NAMES.get(k, k)}"] = sum(s[k] for s in stats) / len(stats)
-            elif st.op == Op.WEIGHT_SYNC:
-                m[f"{role}/sync_bytes_per_device"] = max(x["bytes"] for x in got)
-                m[f"{role}/sync_s"] = max(x["seconds"] for x in got)
-                m[f"{role}/sync_bytes_predicted"] = st.args["bytes_predicted"]  # the planner's, beside the measured
-                if "buckets" in got[0]:
-                    m[f"{role}/sync_buckets"] = got[0]["buckets"]
-        for st in self.p.steps:
-            node = g[st.node]
-            if st.op in (Op.REWARD, Op.SCORE):  # a function's or a reward model's scores
-                scores = self._materialize(it.env[st.node]).float()
-                m[f"{st.node}/mean"] = float(scores.mean())
-                m[f"{st.node}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
-                if bool(((scores == 0) | (scores == 1)).all()):
-                    m[f"{st.node}/accuracy"] = float(scores.mean())
-                for key, mean in it.reward_metrics.get(st.node, {}).items():  # e.g. verl's {"score": …, "acc": …}
-                    m[f"{st.node}/{key}/mean"] = mean
-            if st.op == Op.GENERATE and node.kwargs.get("greedy") is not True and "response_length/mean" not in m:
-                lengths = lengths_of.get(st.node) or [tokens_of[st.node] / max(it.env[st.node].rows, 1)]
-                m.update(batch_stats("response_length", lengths, limit=self._response_limit(st)))
-            if st.op == Op.UPDATE and "advantages" in node.kwargs and "critic/advantages/mean" not in m:
-                adv = self._materialize(self._value(it.env, node.kwargs["advantages"]))
-                m.update(batch_stats("critic/advantages", _valid(adv, lengths_of.get(node.args[0].node))))
-        first_reward = next((st.node for st in self.p.steps if st.op in (Op.REWARD, Op.SCORE)), None)
-        if first_reward:
-            m["reward"] = m[f"{first_reward}/mean"]
-            m["reward_std"] = m[f"{first_reward}/std"]
-            if f"{first_reward}/accuracy" in m:
-                m["accuracy"] = m[f"{first_reward}/accuracy"]
-            scores = self._materialize(it.env[first_reward]).float().flatten().tolist()
-            m.update(batch_stats("critic/score", scores))
-            src = g[first_reward].args[0].node
-            k = it.samples.get(src, 1)
-            texts = texts_of.get(src, [])
-            picked = [j * k for j in range(len(it.prompts))][:SAMPLES_PER_STEP]  # the first response to each of a few prompts
-            m["samples"] = [
-                {"prompt": it.prompts[i // k], "response": texts[i], "score": scores[i]}
-                for i in picked
-                if i < min(len(texts), len(scores))
-            ]
-        prompts = next((it.env[st.node] for st in self.p.steps if st.op == Op.INPUT and st.node in it.env), None)
-        mask = getattr(prompts.value, "attention_mask", None) if isinstance(prompts, Local) else None
-        if isinstance(mask, torch.Tensor):
-            m.update(batch_stats("prompt_length", mask.sum(dim=1).tolist(), limit=self.p.workload.prompt_len))
-        for node_id, sec in self._extra["seconds"].items():
-            measured[node_id] = measured.get(node_id, 0.0) + sec
-        gen_tokens += self._extra["tokens"]
-        m.update(self._extra["metrics"])
-        wall = time.perf_counter() - t_step  # every op of the step has finished
-        m["step_s"] = wall
-        m["gen_tokens"] = gen_tokens
-        m["tokens_per_s"] = gen_tokens / wall if wall > 0 else 0.0
-        m["measured_s"] = measured
-        m["predicted_s"] = {st.node: st.predicted_s for st in self.p.steps if st.group}
-        m.update({f"timing_s/{op}": sec for op, sec in measured.items()})
-        m["timing_s/step"] = wall
-        m["perf/throughput"] = m["tokens_per_s"]
-        # the controller's overhead: the step's wall time that no worker op or reward call covers
-        # (Ray round trips, the object store, tokenising, the controller's own tensor work)
-        covered = covered_seconds(self._extra["busy"], self._extra["t0"], self._extra["t0"] + wall)
-        m["perf/controller_s"] = max(wall - covered, 0.0)
-        m["perf/controller_fraction"] = m["perf/controller_s"] / wall if wall > 0 else 0.0
-        return m
 
     def _response_limit(self, st: Step) -> int:
         """The longest response ``st`` may generate (what ``response_length/clip_ratio`` counts)."""

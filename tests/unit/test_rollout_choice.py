@@ -26,7 +26,7 @@ from flowc.passes.flops import Demand
 from flowc.passes.generation_costs import generate_cost, longest_of
 from flowc.passes.pins import parse_pins
 from flowc.passes.pipeline import make_plan
-from flowc.runtime.controller import covered_seconds
+from flowc.runtime.step_metrics import covered_seconds
 
 LOCAL = ClusterSpec.parse("local")
 BOTH = Target.of(LOCAL, rollout_backends=("vllm", "hf"))
