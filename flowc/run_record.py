@@ -31,9 +31,10 @@ RECORD = "run.json"
 
 # Options a resume may change freely: how long the run is and where it runs.
 FREE = ("steps", "cluster", "device")
-# Run settings a resume may change freely: which experiment trackers it reports to, and how it
-# executes (the same results: where the workers and the reward processes run, how many of the latter).
-FREE_SETTINGS = ("report_to", "executor", "reward_workers")
+# Run settings a resume may change freely: which experiment trackers it reports to, and where the
+# workers run (the same results on either executor, tested to the bit). Not reward_workers: a reward
+# that reads its whole call sees other shares of the batch with another pool size.
+FREE_SETTINGS = ("report_to", "executor")
 
 
 class RunRecord(BaseModel):

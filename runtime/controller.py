@@ -13,6 +13,7 @@ worker) and workload — never from defaults of its own.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -209,7 +210,10 @@ class Controller:
     def _materialize(self, v: Any) -> Any:
         if isinstance(v, Local):
             return v.value
-        return assemble(v.pieces(0, v.rows), lambda refs: ray.get(list(refs), timeout=self.p.target.timeout_s))
+        got = assemble(v.pieces(0, v.rows), lambda refs: ray.get(list(refs), timeout=self.p.target.timeout_s))
+        # inline, these are the worker's own objects, which later ops read too: a copy, as a fetch from
+        # Ray's object store gives, so a compute op that edits its input in place changes nothing else
+        return copy.deepcopy(got) if self.s.executor == "inline" else got
 
     def _arg(self, env: dict[str, Any], x: Any) -> Any:
         if isinstance(x, ValueRef):

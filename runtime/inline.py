@@ -75,14 +75,18 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
     def watch() -> None:
         if done.wait(seconds):
             return
-        sys.stderr.write(
-            f"\nflowc: {what} did not finish within {seconds:g} s (the run's timeout_s); the run is stopped.\n"
-            "  fix: raise timeout_s in the run config, or look for what hangs in the stacks below; "
-            "the last checkpoint resumes with `flowc run --resume RUN_DIR`\n"
-        )
-        sys.stderr.flush()
-        faulthandler.dump_traceback(all_threads=True)
-        os._exit(TIMEOUT_EXIT)
+        try:  # straight to fd 2: sys.stderr may be captured or replaced (pytest, notebooks)
+            os.write(
+                2,
+                (
+                    f"\nflowc: {what} did not finish within {seconds:g} s (the run's timeout_s); the run is stopped.\n"
+                    "  fix: raise timeout_s in the run config, or look for what hangs in the stacks below; "
+                    "the last checkpoint resumes with `flowc run --resume RUN_DIR`\n"
+                ).encode(),
+            )
+            faulthandler.dump_traceback(file=2, all_threads=True)
+        finally:
+            os._exit(TIMEOUT_EXIT)
 
     threading.Thread(target=watch, name="flowc-deadline", daemon=True).start()
     try:
@@ -102,8 +106,7 @@ class InlineGroup:
         if size != 1:
             raise RuntimeFailure(f"the inline executor runs a pool of one worker; pool {name} has {size}")
         self.name, self.size, self.timeout, self.roles = name, size, timeout_s, roles
-        for k, v in WORKER_ENV.items():  # the environment a Ray worker gets (vLLM reads OMP_NUM_THREADS)
-            os.environ.setdefault(k, v)
+        os.environ.update(WORKER_ENV)  # the environment a Ray worker gets (vLLM reads OMP_NUM_THREADS)
         self.worker = Worker(name, 0, 1, max(1, int(cpus_per_worker)), timeout_s)
 
     def join(self, collective: str) -> list[dict[str, Any]]:
@@ -135,7 +138,11 @@ class InlineGroup:
         return _unwrap(refs)
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        """Close the engines; a failure to close is logged, never raised over the run's own error."""
+        try:
+            self.worker.shutdown()
+        except Exception as e:
+            print(f"flowc: closing worker group {self.name}'s engines failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 __all__ = ["TIMEOUT_EXIT", "Executor", "InlineGroup", "choose_executor", "deadline"]

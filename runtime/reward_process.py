@@ -5,15 +5,19 @@ function runs in a process of its own that holds no torch, each call has a deadl
 which the process is killed (a fresh one serves the next call), and a function that raises,
 returns garbage or kills its interpreter fails the run with an error naming the reward, the
 step and the rows. The child is ``python -m flowc.runtime.reward_process``; requests and
-answers are length-prefixed cloudpickle frames on its stdin and on a private copy of its
-stdout (the user's prints go to stderr, so they cannot corrupt an answer). On Linux the child
-is killed with its parent (``PR_SET_PDEATHSIG``), so a SIGKILLed run leaves none behind.
+answers are length-prefixed cloudpickle frames on private copies of its stdin and stdout
+(fd 0 then reads /dev/null and fd 1 writes to stderr, so neither the user's prints nor a
+sandbox the reward starts can touch the protocol). It answers "ready" once the functions are
+loaded (a function that cannot be unpickled there is an error naming it). It leads a process
+group of its own, killed whole (a reward's sandboxes with it), and on Linux it dies with its
+parent (``PR_SET_PDEATHSIG``), so a SIGKILLed run leaves none behind.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -52,9 +56,11 @@ def _read_blocking(f: BinaryIO) -> Any:
 
 def _read_exact(fd: int, n: int, deadline: float) -> bytes:
     buf = bytearray()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     while len(buf) < n:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(left * 1000):
             raise Timeout
         chunk = os.read(fd, n - len(buf))
         if not chunk:
@@ -63,32 +69,38 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when its parent dies (and now, if it died already)."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         import ctypes
-        import signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 class RewardProcess:
     """One child process holding the run's reward functions; one call at a time."""
 
     def __init__(self, payload: bytes) -> None:
+        """Start the process and send it the functions; :meth:`receive` then gets its "ready"."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flowc.runtime.reward_process"],
+            [sys.executable, "-m", "flowc.runtime.reward_process", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
             start_new_session=True,  # a Ctrl-C at the terminal is the run's to handle, not the reward's
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(_HEADER.pack(len(payload)) + payload)
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(_HEADER.pack(len(payload)) + payload)  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        except OSError:
+            raise Crashed from None
 
     @property
     def pid(self) -> int:
@@ -115,9 +127,19 @@ class RewardProcess:
             raise RuntimeError(value)
         return value
 
+    def exit_code(self) -> int | None:
+        """The exit code of a process that ended (None if it still runs after a moment)."""
+        try:
+            return self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """Kill the process and its group (what the reward started)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
             try:
@@ -148,10 +170,19 @@ def _answer(fns: dict[str, Any], names: dict[str, str], msg: tuple) -> tuple[str
 
 
 def main() -> None:
+    _die_with_parent(int(sys.argv[1]))
+    src = os.fdopen(os.dup(0), "rb")  # the requests' channel; fd 0 now reads nothing
     out = os.fdopen(os.dup(1), "wb")  # the answers' channel; fd 1 (print) now goes to stderr
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     os.dup2(2, 1)
-    src = sys.stdin.buffer
-    fns, names = _read_blocking(src)
+    try:
+        fns, names = _read_blocking(src)
+    except Exception as e:  # a function that cannot be unpickled here (its module is not importable)
+        _write(out, ("error", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    _write(out, ("ok", "ready"))
     while (msg := _read_blocking(src)) is not None:  # None: the parent closed the pipe (it is gone)
         _write(out, _answer(fns, names, msg))
 

@@ -55,11 +55,42 @@ class Rewards:
     def _actors(self) -> list[Any]:
         if not self._pool:
             if self.processes == "local":
-                payload = reward_process.pickled_functions(self.fns, self.names)
-                self._pool = [reward_process.RewardProcess(payload) for _ in range(self.workers)]
+                self._pool = self._start_local()
             else:
                 self._pool = [RewardWorker.remote(self.fns, self.names) for _ in range(self.workers)]
         return self._pool
+
+    def _start_local(self) -> list[reward_process.RewardProcess]:
+        """The child processes, each answering "ready" within the reward timeout."""
+        payload = reward_process.pickled_functions(self.fns, self.names)
+        procs: list[reward_process.RewardProcess] = []
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            for _ in range(self.workers):
+                procs.append(reward_process.RewardProcess(payload))
+            answers = [w.receive(deadline) for w in procs]
+        except reward_process.Timeout:
+            _kill(procs)
+            raise DataError(
+                f"the reward processes did not load the reward functions within {self.timeout_s:g} s",
+                fix="look for slow imports in the reward's module, or raise reward_timeout_s in the run config",
+            ) from None
+        except reward_process.Crashed:
+            _kill(procs)
+            raise RuntimeFailure(
+                "a reward process exited while it loaded the reward functions", fix="see its log above"
+            ) from None
+        except BaseException:
+            _kill(procs)
+            raise
+        bad = [value for kind, value in answers if kind != "ok"]
+        if bad:
+            _kill(procs)
+            raise DataError(
+                f"the reward functions could not be loaded in their process: {bad[0]}",
+                fix="a reward function's module must be importable there (installed, or a file given by path)",
+            )
+        return procs
 
     def score(
         self, role: str, prompts: list[str], responses: list[str], columns: dict[str, list[Any]], *, where: str
@@ -102,15 +133,20 @@ class Rewards:
         """The shares on the child processes, answered within one deadline."""
         procs = self._actors()
         deadline = time.monotonic() + self.timeout_s
+        w = procs[0]
         try:
             for w, c in zip(procs, calls, strict=False):
                 w.send("score", *c)
-            answers = [w.receive(deadline) for w in procs[: len(calls)]]
+            answers = []
+            for w in procs[: len(calls)]:
+                answers.append(w.receive(deadline))
         except reward_process.Timeout:
             raise self._timed_out(role, where) from None
         except reward_process.Crashed:
-            code = next((w.proc.poll() for w in procs if w.proc.poll() is not None), None)
-            raise self._crashed(role, where, f"exit code {code}") from None
+            raise self._crashed(role, where, f"exit code {w.exit_code()}") from None
+        except BaseException:  # interrupted between a request and its answer: no stale answer may serve a later call
+            self.stop()
+            raise
         for kind, value in answers:
             if kind == "data_error":
                 what, fix = value
@@ -142,6 +178,11 @@ class Rewards:
             elif ray.is_initialized():
                 ray.kill(w, no_restart=True)
         self._pool = []
+
+
+def _kill(procs: list[reward_process.RewardProcess]) -> None:
+    for w in procs:
+        w.kill()
 
 
 def _shares(n: int, workers: int) -> list[tuple[int, int]]:
