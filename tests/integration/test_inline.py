@@ -139,11 +139,24 @@ def exits(prompts, responses, **columns):
 
 
 def hangs(prompts, responses, **columns):
+    import os
+
+    sandbox = subprocess.Popen(["sleep", "3600"])  # what a code-execution reward starts
+    with open(os.environ["FLOWC_TEST_SANDBOX_PID"], "w") as f:
+        f.write(str(sandbox.pid))
     time.sleep(3600)
 
 
-def test_local_reward_processes_score_share_and_fail_loudly():
+def reads_stdin(prompts, responses, **columns):
+    import sys
+
+    return [float(len(sys.stdin.read()))] * len(responses)  # fd 0 is not the protocol's: nothing to read
+
+
+def test_local_reward_processes_score_share_and_fail_loudly(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWC_TEST_SANDBOX_PID", str(tmp_path / "sandbox.pid"))
     fns = {"a": pid_and_index, "r": exact_match, "v": adapt(verl_match), "bad": raises, "exit": exits, "hang": hangs}
+    fns["stdin"] = reads_stdin
     pool = Rewards(fns, {}, timeout_s=3, workers=2, processes="local")
     try:
         scores, extras = pool.score_with_metrics("a", ["p"] * 5, ["r"] * 5, {"i": list(range(5))}, where="test")
@@ -161,8 +174,87 @@ def test_local_reward_processes_score_share_and_fail_loudly():
         with pytest.raises(DataError, match=r"did not return within 3 s at step 4; its process was killed"):
             pool.score("hang", ["p"] * 2, ["r"] * 2, {}, where="step 4")
         assert time.time() - t0 < 10 and all(w.proc.poll() is not None for w in procs)
+        assert _gone(int((tmp_path / "sandbox.pid").read_text()), 5)  # the reward's own child died with its group
+        assert pool.score("stdin", ["p"], ["r"], {}, where="test").tolist() == [0.0]
         with pytest.raises(RuntimeFailure, match=r"killed its process at step 5 \(it exited or crashed: exit code 3\)"):
             pool.score("exit", ["p"] * 2, ["r"] * 2, {}, where="step 5")
         assert pool.score("r", ["1+1="], ["2"], {"answer": ["2"]}, where="after").tolist() == [1.0]  # fresh processes
+    finally:
+        pool.stop()
+
+
+def test_a_killed_run_leaves_no_reward_process_behind(tmp_path):
+    """The child dies with its parent (PR_SET_PDEATHSIG), even while it runs the user's code."""
+    import os
+    import signal
+
+    code = (
+        "import sys, time\n"
+        "from flowc.runtime.rewards import Rewards\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from hang import hangs\n"
+        "pool = Rewards({'h': hangs}, {}, timeout_s=600, processes='local')\n"
+        "(w,) = pool._actors()\n"
+        "print(w.pid, flush=True)\n"
+        "pool.score('h', ['p'], ['r'], {}, where='test')\n"
+    )
+    marker = tmp_path / "inside"
+    (tmp_path / "hang.py").write_text(
+        "import pathlib, time\n\ndef hangs(prompts, responses, **c):\n"
+        f"    pathlib.Path({str(marker)!r}).write_text('1')\n    time.sleep(3600)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(p.stdout.readline())
+        deadline = time.time() + 30
+        while not marker.exists():  # the child is inside the user's function
+            assert time.time() < deadline and p.poll() is None
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        assert _gone(child, 10), "the reward process outlived its killed parent"
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def _gone(pid: int, within: float) -> bool:
+    """Whether ``pid`` ends (or is left a zombie) within ``within`` seconds."""
+    import psutil
+
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_reward_processes_that_cannot_load_or_are_interrupted_serve_nothing_stale(monkeypatch):
+    import types
+
+    ghost = types.ModuleType("flowc_test_ghost")  # importable here, not in the reward process
+    exec("def score(prompts, responses, **c):\n    return [1.0] * len(responses)\n", ghost.__dict__)
+    monkeypatch.setitem(sys.modules, "flowc_test_ghost", ghost)
+    pool = Rewards({"g": ghost.score}, {}, timeout_s=30, processes="local")
+    with pytest.raises(DataError, match=r"could not be loaded in their process: .*flowc_test_ghost") as e:
+        pool.score("g", ["p"], ["r"], {}, where="test")
+    assert "importable" in e.value.fix and not pool._pool
+
+    pool = Rewards({"r": exact_match}, {}, timeout_s=30, processes="local")
+    try:
+        (w,) = pool._actors()
+
+        def interrupted(deadline):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(w, "receive", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pool.score("r", ["1+1="], ["2"], {"answer": ["2"]}, where="test")
+        assert not pool._pool and _gone(w.pid, 5)  # its answer was never read: the process is gone with it
+        assert pool.score("r", ["1+1="], ["3"], {"answer": ["2"]}, where="after").tolist() == [0.0]
     finally:
         pool.stop()
