@@ -22,6 +22,7 @@ from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.serialize import to_dict
 from flowc.ir.workload import WorkloadSpec
+from flowc.lengths import expand as expand_lengths
 from flowc.passes.pins import Pins, parse_pins
 from flowc.planning import check_backend_pins, fit_rollout, run_target, runtime_pins
 
@@ -137,7 +138,7 @@ def _shape(graph: dict) -> tuple:
 def saved_conflicts(plan: Plan, *, workload: str | None, pins: list[str], rollout: str | None, config: RunConfig) -> list[str]:
     """The options given beside a saved plan that contradict a decision in it (the plan wins only when none do)."""
     out = []
-    if workload is not None and WorkloadSpec.parse(workload).model_dump() != plan.workload:
+    if workload is not None and WorkloadSpec.parse(expand_lengths(workload)[0]).model_dump() != plan.workload:
         out.append(f"--workload {workload} (the plan's: {WorkloadSpec(**plan.workload).model_dump(exclude_defaults=True)})")
     if pins:
         out.append(f"--pin {' '.join(pins)} (a saved plan fixes every decision)")

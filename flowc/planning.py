@@ -14,6 +14,7 @@ from flowc.ir.models import ModelSpec
 from flowc.ir.plan import ROLLOUT_BACKENDS, Plan, Target
 from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
+from flowc.lengths import expand as expand_lengths
 from flowc.passes.pins import PhasePin, Pins, parse_pins, pins_from_plan
 
 DEFAULT_MODEL = "flowc-tiny"
@@ -196,6 +197,8 @@ def build_request(
     if any(m.dtype != dtype for m in models.values()):
         models = {r: m.model_copy(update={"dtype": dtype}) for r, m in models.items()}
         notes = [*(notes or []), f"models priced in {dtype}, the dtype flowc run computes in on {cl.profile.kind.upper()}s"]
+    workload, measured = expand_lengths(workload)  # lengths_from=RUN_DIR: the mean that run measured
+    notes = [*(notes or []), *measured]
     wl = WorkloadSpec.parse(workload) if workload is not None else (wl if saved else WorkloadSpec())
     if for_run:
         check_backend_pins(pins, cl.profile.kind)

@@ -14,6 +14,7 @@ and returns what the controller runs; :func:`run` runs it to the last step.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import os
@@ -36,6 +37,7 @@ from flowc.ir.lora import LoraConfig
 from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
+from flowc.lengths import expand as expand_lengths
 from flowc.run_record import RunRecord, absolute, absolute_model, absolute_reward, input_hashes
 from flowc.trackers import MetricsLog
 
@@ -175,6 +177,15 @@ class Prepared:
     from_run_dir: bool = False  # resumed on the run directory's own plan
 
 
+def with_measured_lengths(req: RunRequest) -> RunRequest:
+    """``req`` with a ``--workload lengths_from=RUN_DIR`` replaced by the mean response length that
+    run measured (said on the console); unchanged without one."""
+    words, measured = expand_lengths(req.workload)
+    for line in measured:
+        print(f"note: {line}", file=sys.stderr)
+    return dataclasses.replace(req, workload=words) if measured else req
+
+
 # ---------------------------------------------------------------------- run
 def prepare(req: RunRequest, *, dry_run: bool = False) -> Prepared:
     """Trace, read the inputs, compile (or check) the plan and lower it. ``dry_run``: the same,
@@ -182,6 +193,7 @@ def prepare(req: RunRequest, *, dry_run: bool = False) -> Prepared:
     run would write there go to a temporary folder, deleted before this returns."""
     import tempfile
 
+    req = with_measured_lengths(req)
     g = req.flow.trace(**req.overrides)
     out = Path(req.resume or req.out or f"runs/{g.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if not dry_run:
@@ -376,6 +388,7 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
     from flowc.runtime.controller import Controller
     from flowc.runtime.ray_session import init_ray, shutdown_ray
 
+    req = with_measured_lengths(req)  # what run.json records: the mean, not a folder that may change
     p = prepare(req)
     spec, out = p.run, p.run.out_dir
     write_plan(p)

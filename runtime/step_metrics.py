@@ -36,6 +36,16 @@ def batch_stats(prefix: str, values: list[float], *, limit: int | None = None) -
     return {k: float(v) for k, v in out.items()}
 
 
+def percentiles(prefix: str, values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+    """``PREFIX/pQ``: the nearest-rank Q-th percentiles of ``values`` (the smallest value with at
+    least Q % of them at or below it)."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    n = len(ordered)
+    return {f"{prefix}/p{q}": float(ordered[max(0, -(-q * n // 100) - 1)]) for q in qs}
+
+
 def covered_seconds(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
     """Seconds of ``[lo, hi]`` that the union of ``(start, seconds)`` spans covers."""
     total, end = 0.0, lo
@@ -129,6 +139,8 @@ def step_metrics(
         if st.op == Op.GENERATE and node.kwargs.get("greedy") is not True and "response_length/mean" not in m:
             lengths = lengths_of.get(st.node) or [tokens_of[st.node] / max(it.env[st.node].rows, 1)]
             m.update(batch_stats("response_length", lengths, limit=limit(st)))
+            if lengths_of.get(st.node):  # the distribution's tail (what `--workload lengths_from=RUN` reports)
+                m.update(percentiles("response_length", lengths_of[st.node]))
         if st.op == Op.UPDATE and "advantages" in node.kwargs and "critic/advantages/mean" not in m:
             adv = read(value_at(it.env, node.kwargs["advantages"]))
             m.update(batch_stats("critic/advantages", _valid(adv, lengths_of.get(node.args[0].node))))
@@ -174,4 +186,4 @@ def step_metrics(
     return m
 
 
-__all__ = ["StepTally", "batch_stats", "covered_seconds", "step_metrics"]
+__all__ = ["StepTally", "batch_stats", "covered_seconds", "percentiles", "step_metrics"]

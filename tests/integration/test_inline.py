@@ -115,7 +115,22 @@ def test_a_one_worker_cli_run_starts_no_ray(tmp_path):
     assert "Ray" not in r.stderr, r.stderr[-3000:]
     (ranks,) = json.loads((out / "placement.json").read_text()).values()
     assert [w["executor"] for w in ranks] == ["inline"]
-    assert [m["step"] for m in _rows(out)] == [1, 2]
+    rows = _rows(out)
+    assert [m["step"] for m in rows] == [1, 2]
+    assert rows[-1]["response_length/p50"] <= rows[-1]["response_length/p90"] <= rows[-1]["response_length/max"]
+
+    # the next run plans with the lengths this one measured, and records the mean, not the folder
+    again = tmp_path / "again"
+    words = f"{WORKLOAD},lengths_from={out}"
+    args = ["run", str(EXAMPLES / "grpo.py"), "--cluster", "local:1", "--rollout", "hf", "--steps", "1"]
+    args += ["--workload", words, "--out", str(again), "-q", "--set", "eval_every=0"]
+    r = subprocess.run(flowc_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    measured = sorted(m["response_length/mean"] for m in rows)
+    planned = json.loads((again / "plan.json").read_text())["workload"]["mean_response_len"]
+    assert planned == pytest.approx(sum(measured) / 2, rel=1e-3) and f"measured by {out}" in r.stderr
+    recorded = json.loads((again / "run.json").read_text())["workload"]
+    assert "lengths_from" not in recorded and "mean_response_len=" in recorded
 
 
 # ---------------------------------------------------------------- rewards in plain child processes

@@ -1,0 +1,85 @@
+"""``--workload lengths_from=RUN_DIR``: plan with the mean response length a run measured, and
+the response-length percentiles a run records per step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import EXAMPLES, ROOT, flowc_cmd
+
+from flowc.errors import SpecError
+from flowc.lengths import LAST_STEPS, expand
+from flowc.loader import load_flow
+from flowc.passes.pipeline import make_plan
+from flowc.planning import build_request
+from flowc.runtime.step_metrics import percentiles
+
+
+def fake_run(tmp_path: Path, means: list[float], limit: int = 24) -> Path:
+    run = tmp_path / "measured"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"workload": {"prompts": 8, "response_len": limit}}))
+    rows = [{"step": 0, "eval/accuracy": 0.3}]  # an evaluation row carries no lengths
+    rows += [{"step": i + 1, "step_s": 1.0, "response_length/mean": m, "response_length/p90": m + 4} for i, m in enumerate(means)]
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 99, "step_'
+    )  # a line being written
+    return run
+
+
+def test_the_mean_is_the_median_of_the_last_steps_and_the_limit_must_match(tmp_path):
+    means = [24.0] * 5 + [float(x) for x in range(4, 4 + LAST_STEPS)]  # early steps run long, the last ten are 4..13
+    run = fake_run(tmp_path, means)
+    words, notes = expand(f"prompts=8,response_len=24,lengths_from={run}")
+    assert words == "prompts=8,response_len=24,mean_response_len=8.5"
+    (note,) = notes
+    assert "mean_response_len=8.5: measured by" in note and "steps 6-15" in note and "p90 12" in note and "limit 24" in note
+    assert expand("prompts=8,response_len=24") == ("prompts=8,response_len=24", [])
+    with pytest.raises(SpecError, match="sampled under response_len=24, this workload's is 48") as e:
+        expand(f"response_len=48,lengths_from={run}")
+    assert "response_len=24" in e.value.fix
+    with pytest.raises(SpecError, match="both mean_response_len and lengths_from"):
+        expand(f"response_len=24,mean_response_len=3,lengths_from={run}")
+    with pytest.raises(SpecError, match="not a run directory"):
+        expand(f"response_len=24,lengths_from={tmp_path / 'nowhere'}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "plan.json").write_text(json.dumps({"workload": {"response_len": 24}}))
+    (empty / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/accuracy": 0.1}) + "\n")
+    with pytest.raises(SpecError, match="no sampled response lengths"):
+        expand(f"response_len=24,lengths_from={empty}")
+
+
+def test_a_measured_mean_shortens_the_planned_generation(tmp_path):
+    """The measured mean reaches the plan's workload, and a shorter mean prices a shorter rollout."""
+    run = fake_run(tmp_path, [200.0] * LAST_STEPS, limit=2048)
+    g = load_flow(str(EXAMPLES / "grpo.py")).trace()
+    plans = {}
+    for name, words in (
+        ("limit", "prompts=256,response_len=2048"),
+        ("measured", f"prompts=256,response_len=2048,lengths_from={run}"),
+    ):
+        req = build_request(g, model_words=["actor=qwen2.5-7b"], cluster="8xH100", workload=words, pin_words=None, plan_file=None)
+        plans[name] = make_plan(g, req.models, req.cluster, req.workload, req.pins, target=req.target)[0]
+        if name == "measured":
+            assert req.workload.mean_response_len == 200 and any("measured by" in n for n in req.notes or [])
+    gen = {k: p.roles["actor"].phases["generate"].time_s for k, p in plans.items()}
+    assert gen["measured"] < 0.5 * gen["limit"], gen
+
+
+def test_flowc_plan_takes_it_and_says_where_the_mean_came_from(tmp_path):
+    run = fake_run(tmp_path, [5.0] * 3)
+    args = ["plan", str(EXAMPLES / "grpo.py"), "--workload", f"prompts=8,prompt_len=8,response_len=24,lengths_from={run}"]
+    r = subprocess.run(flowc_cmd(*args, "--json"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["workload"]["mean_response_len"] == 5.0
+    assert "mean_response_len=5.0: measured by" in r.stderr
+
+
+def test_percentiles_are_nearest_rank():
+    assert percentiles("x", list(range(1, 11))) == {"x/p50": 5.0, "x/p90": 9.0, "x/p99": 10.0}
+    assert percentiles("x", [7]) == {"x/p50": 7.0, "x/p90": 7.0, "x/p99": 7.0} and percentiles("x", []) == {}
+    assert percentiles("x", list(range(100, 0, -1)), (1, 100)) == {"x/p1": 1.0, "x/p100": 100.0}
