@@ -287,6 +287,13 @@ class WorkerGroup:
         except ray.exceptions.RayTaskError as e:
             rank = _rank_of(e, lst, self)
             cause = e.cause if getattr(e, "cause", None) is not None else e
+            dead = _dead_rank(lst, self, wait_s=min(10.0, self.timeout))
+            if dead is not None:  # a peer's death breaks the survivors' collectives: name the cause, not the symptom
+                raise WorkerError(
+                    f"a worker of group {self.name} ({self.roles}) died during {what}, rank {dead}"
+                    f" (then {what} failed{rank}: {type(cause).__name__}: {str(cause).splitlines()[0][:300]})",
+                    fix="see the worker's log above; the cluster was shut down",
+                ) from e
             if isinstance(cause, RuntimeFailure):
                 raise cause from None
             raise WorkerError(
@@ -342,6 +349,22 @@ def _buckets(weights: Any, bucket_bytes: float) -> Any:
             bucket, size = {}, 0.0
     if bucket:
         yield bucket
+
+
+def _dead_rank(refs: list[Any], group: WorkerGroup, wait_s: float) -> int | None:
+    """The rank whose worker died while answering ``refs``, if one did: waits up to ``wait_s`` for the
+    other calls to settle, since a dead peer shows first as a collective error on the survivors."""
+    if len(refs) < 2:
+        return None
+    ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    for i, r in enumerate(refs):
+        try:
+            ray.get(r, timeout=0)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError):
+            return i % group.size
+        except Exception:
+            continue
+    return None
 
 
 def _rank_of(e: Exception, refs: list[Any], group: WorkerGroup) -> str:

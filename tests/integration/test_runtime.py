@@ -5,6 +5,8 @@ They share one local Ray cluster (see conftest.py)."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -235,6 +237,37 @@ def test_a_killed_worker_is_a_typed_error(ray_cluster, tmp_path):
     finally:
         ctl.shutdown()
     assert not ctl.groups
+
+
+@ray.remote(num_cpus=0)
+class _Peer:
+    def collective_fails(self) -> None:
+        time.sleep(0.2)  # what a survivor's all_reduce raises when its peer's process is gone
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:9654: Connection reset by peer")
+
+    def dies(self) -> None:
+        time.sleep(1.5)
+        os._exit(1)
+
+
+def test_a_peer_that_died_is_named_over_the_collective_error_it_caused(ray_cluster):
+    """A SIGKILLed rank shows first as a collective error on the survivors; the error names the death."""
+    from types import SimpleNamespace
+
+    from flowc.runtime.worker import WorkerGroup
+
+    survivor, victim = _Peer.remote(), _Peer.remote()
+    group = SimpleNamespace(name="actor.train", roles="actor/train", timeout=30.0, size=2, workers=[survivor, victim])
+    refs = [survivor.collective_fails.remote(), victim.dies.remote()]
+    with pytest.raises(WorkerError) as info:
+        WorkerGroup.get(group, refs, "update actor.update")
+    what = info.value.what
+    assert "died during update actor.update, rank 1" in what, what
+    assert "then update actor.update failed, rank 0: RuntimeError" in what and "Connection reset" in what, what
+    # a rank that fails on its own (no peer died) is still reported as its own failure
+    refs = [survivor.collective_fails.remote(), survivor.collective_fails.remote()]
+    with pytest.raises(WorkerError, match=r"update failed on worker group actor\.train \(actor/train\), rank 0: RuntimeError"):
+        WorkerGroup.get(SimpleNamespace(**{**vars(group), "workers": [survivor, survivor]}), refs, "update")
 
 
 def test_bad_inputs_fail_with_a_clear_error(ray_cluster, tmp_path):
