@@ -4,8 +4,11 @@ The cost model prices generation (and the padding of training micro-batches) fro
 workload's ``mean_response_len``; left out, every response is priced at the limit, which
 overstates both whenever responses stop early. ``lengths_from=RUN_DIR`` takes the mean from
 what a run measured: the median of its last :data:`LAST_STEPS` steps' ``response_length/mean``
-(the lengths drift as a policy trains; the last steps are what a continuation sees). The run
-must have sampled under the same response limit, or its mean says nothing about this one.
+(the lengths drift as a policy trains; the last steps are what a continuation sees), and the
+distribution's shape from the same steps' ``min``, ``p50``, ``p90``, ``p99`` and ``max`` (each
+the median over those steps, made ascending) as ``response_percentiles``: generation is priced
+over it, its long tail included. The run must have sampled under the same response limit, or its
+lengths say nothing about this one.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ from flowc.ir.workload import WorkloadSpec
 
 LAST_STEPS = 10
 KEY = "lengths_from"
+#: the statistics of a step's response lengths that make the distribution's shape
+SHAPE = ("min", "p50", "p90", "p99", "max")
 
 
-def measured_mean(run_dir: Path) -> tuple[float, int, str]:
-    """(mean response length, the response limit it was measured under, a note saying so)."""
+def measured(run_dir: Path) -> tuple[float, tuple[float, ...] | None, int, str]:
+    """(mean response length, its min/p50/p90/p99/max when the run recorded them, the response
+    limit they were measured under, a note saying so)."""
     metrics, plan = run_dir / "metrics.jsonl", run_dir / "plan.json"
     if not metrics.is_file() or not plan.is_file():
         raise SpecError(
@@ -46,10 +52,29 @@ def measured_mean(run_dir: Path) -> tuple[float, int, str]:
     last = rows[-LAST_STEPS:]
     mean = statistics.median(float(r["response_length/mean"]) for r in last)
     steps = f"step {last[0]['step']}" if len(last) == 1 else f"steps {last[0]['step']}-{last[-1]['step']}"
-    p90 = [float(r["response_length/p90"]) for r in last if "response_length/p90" in r]
-    tail = f", p90 {statistics.median(p90):.0f}" if p90 else ""
-    note = f"mean_response_len={mean:.1f}: measured by {run_dir} (median of {steps}{tail}; limit {limit})"
-    return min(max(mean, 1.0), float(limit)), limit, note
+    mean = min(max(mean, 1.0), float(limit))
+    pct = _percentiles(last, float(limit))
+    if pct is not None:
+        mean = min(max(mean, pct[0]), pct[-1])
+        shape = f", min/p50/p90/p99/max {'/'.join(f'{x:g}' for x in pct)}"
+    else:
+        p90 = [float(r["response_length/p90"]) for r in last if "response_length/p90" in r]
+        shape = f", p90 {statistics.median(p90):.0f}" if p90 else ""
+    note = f"mean_response_len={mean:.1f}: measured by {run_dir} (median of {steps}{shape}; limit {limit})"
+    return mean, pct, limit, note
+
+
+def _percentiles(rows: list[dict], limit: float) -> tuple[float, ...] | None:
+    """The median over ``rows`` of each of min/p50/p90/p99/max (rows that recorded all five),
+    made ascending and kept within 1..limit; None when no row recorded them."""
+    full = [r for r in rows if all(f"response_length/{k}" in r for k in SHAPE)]
+    if not full:
+        return None
+    out, floor = [], 1.0
+    for k in SHAPE:
+        floor = min(max(floor, statistics.median(float(r[f"response_length/{k}"]) for r in full)), limit)
+        out.append(round(floor, 1))
+    return tuple(out)
 
 
 def expand(text: str | None) -> tuple[str | None, list[str]]:
@@ -59,12 +84,13 @@ def expand(text: str | None) -> tuple[str | None, list[str]]:
         return text, []
     words = [w for w in text.replace(" ", ",").split(",") if w]
     given = dict(w.split("=", 1) for w in words if "=" in w)
-    if "mean_response_len" in given:
-        raise SpecError(
-            f"--workload gives both mean_response_len and {KEY}",
-            fix="give one: the mean, or the run that measured it",
-        )
-    mean, limit, note = measured_mean(Path(given[KEY]))
+    for own in ("mean_response_len", "response_percentiles"):
+        if own in given:
+            raise SpecError(
+                f"--workload gives both {own} and {KEY}",
+                fix="give one: the lengths, or the run that measured them",
+            )
+    mean, pct, limit, note = measured(Path(given[KEY]))
     want = int(given.get("response_len", WorkloadSpec.model_fields["response_len"].default))
     if want != limit:
         raise SpecError(
@@ -73,7 +99,10 @@ def expand(text: str | None) -> tuple[str | None, list[str]]:
             fix=f"plan with response_len={limit}, or give mean_response_len=… yourself",
         )
     kept = [w for w in words if not w.startswith(f"{KEY}=")]
-    return ",".join([*kept, f"mean_response_len={mean:.4g}"]), [note]
+    kept.append(f"mean_response_len={mean:.6g}")
+    if pct is not None:
+        kept.append("response_percentiles=" + "/".join(f"{x:g}" for x in pct))
+    return ",".join(kept), [note]
 
 
-__all__ = ["LAST_STEPS", "expand", "measured_mean"]
+__all__ = ["LAST_STEPS", "SHAPE", "expand", "measured"]

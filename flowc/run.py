@@ -178,8 +178,8 @@ class Prepared:
 
 
 def with_measured_lengths(req: RunRequest) -> RunRequest:
-    """``req`` with a ``--workload lengths_from=RUN_DIR`` replaced by the mean response length that
-    run measured (said on the console); unchanged without one."""
+    """``req`` with a ``--workload lengths_from=RUN_DIR`` replaced by the response lengths that run
+    measured (mean and percentiles; said on the console); unchanged without one."""
     words, measured = expand_lengths(req.workload)
     for line in measured:
         print(f"note: {line}", file=sys.stderr)

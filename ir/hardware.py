@@ -56,6 +56,8 @@ class RolloutCost(BaseModel):
             the profile's calibrated ``matmul`` and ``decode_bw`` (its kernels' speed).
         resident_gb: memory the engine holds beyond its weights and KV cache (its libraries,
             scheduler and workspaces), per device; counted where it runs.
+        max_seqs: the most sequences a continuously batching engine decodes at once (vLLM's
+            ``max_num_seqs`` default on the device); None: as many as the KV cache holds.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -65,6 +67,7 @@ class RolloutCost(BaseModel):
     layer_overhead_us: float | None = Field(None, ge=0)
     decode_scale: float = Field(1.0, gt=0)
     resident_gb: float = Field(0.0, ge=0)
+    max_seqs: int | None = Field(None, ge=1)
 
 
 class HardwareProfile(BaseModel):

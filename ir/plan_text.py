@@ -37,6 +37,14 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(line for section in sections for line in section(plan)) + "\n"
 
 
+def _lengths(w: dict) -> str:
+    """`` (mean 940, min/p50/p90/p99/max 10/200/…)``: what the workload says of response lengths."""
+    parts = [f"mean {w['mean_response_len']}"] if w.get("mean_response_len") else []
+    if w.get("response_percentiles"):
+        parts.append("min/p50/p90/p99/max " + "/".join(f"{x:g}" for x in w["response_percentiles"]))
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _header(plan: Plan) -> list[str]:
     c, w, p = plan.cluster, plan.workload, plan.predicted
     models = ", ".join(
@@ -48,7 +56,7 @@ def _header(plan: Plan) -> list[str]:
     return [
         f"plan {plan.flow} on {c['name']} ({c['world_size']} devices)",
         f"  workload  {w['prompts']} prompts/step, prompt {w['prompt_len']}, response {w['response_len']}"
-        + (f" (mean {w['mean_response_len']})" if w.get("mean_response_len") else "")
+        + _lengths(w)
         + f", {w['mini_batches']} update(s) × {w['epochs']} epoch(s)",
         f"  models    {models}",
         "",

@@ -8,11 +8,22 @@ prompt_len=512,response_len=1024`` or in a config file.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flowc.errors import SpecError
+
+#: the shares of responses at or below each of ``response_percentiles``: min, p50, p90, p99, max
+PERCENTILE_SHARES = (0.0, 0.5, 0.9, 0.99, 1.0)
+
+
+def percentiles_mean(q: tuple[float, ...]) -> float:
+    """The mean of the lengths whose quantile function runs linearly between the points
+    ``(PERCENTILE_SHARES[i], q[i])`` (how the cost model reads ``response_percentiles``)."""
+    pts = list(zip(PERCENTILE_SHARES, q, strict=True))
+    return sum((u1 - u0) * (x0 + x1) / 2.0 for (u0, x0), (u1, x1) in itertools.pairwise(pts))
 
 
 class WorkloadSpec(BaseModel):
@@ -24,6 +35,10 @@ class WorkloadSpec(BaseModel):
         response_len: response token limit (``R``).
         mean_response_len: expected response length, for the cost model
             (defaults to ``response_len``: every response runs to the limit).
+        response_percentiles: measured response lengths ``min/p50/p90/p99/max`` (what
+            ``lengths_from=RUN_DIR`` fills in from a run's metrics): generation is priced over
+            this distribution (its long tail); None: an exponential with the mean, cut at
+            the limit.
         mini_batches: optimizer updates per step per epoch (PPO mini-batches).
         epochs: passes over the rollout per step.
         train_micro_batch: sequences per device per micro-step of training
@@ -37,20 +52,46 @@ class WorkloadSpec(BaseModel):
     prompt_len: int = Field(1024, ge=1)
     response_len: int = Field(1024, ge=1)
     mean_response_len: float | None = Field(None, gt=0)
+    response_percentiles: tuple[float, float, float, float, float] | None = None
     mini_batches: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)
     train_micro_batch: int | None = Field(None, ge=1)
     forward_micro_batch: int | None = Field(None, ge=1)
 
+    @field_validator("response_percentiles", mode="before")
+    @classmethod
+    def _percentiles_from_text(cls, v: Any) -> Any:
+        """``12/80/200/310/512`` (how ``--workload`` writes them) as a tuple."""
+        if isinstance(v, str):
+            return tuple(x for x in v.split("/") if x)
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> WorkloadSpec:
         if self.mean_response_len is not None and self.mean_response_len > self.response_len:
             raise ValueError(f"mean_response_len {self.mean_response_len} exceeds response_len {self.response_len}")
+        q = self.response_percentiles
+        if q is not None:
+            if any(b < a for a, b in itertools.pairwise(q)) or q[0] < 1 or q[-1] > self.response_len:
+                raise ValueError(
+                    f"response_percentiles {'/'.join(f'{x:g}' for x in q)} must be min/p50/p90/p99/max, "
+                    f"ascending, from 1 to response_len {self.response_len}"
+                )
+            if self.mean_response_len is not None and not q[0] <= self.mean_response_len <= q[-1]:
+                raise ValueError(
+                    f"mean_response_len {self.mean_response_len:g} lies outside response_percentiles' min {q[0]:g} and max {q[-1]:g}"
+                )
         return self
 
     @property
     def avg_response_len(self) -> float:
-        return self.mean_response_len or float(self.response_len)
+        """The mean response length: ``mean_response_len``, else the mean of the
+        ``response_percentiles`` distribution, else the limit."""
+        if self.mean_response_len:
+            return self.mean_response_len
+        if self.response_percentiles:
+            return percentiles_mean(self.response_percentiles)
+        return float(self.response_len)
 
     def env(self, symbols: dict[str, int] | None = None) -> dict[str, int]:
         """Values of the shape symbols: B, P, R and the flow's sample counts."""
@@ -76,6 +117,7 @@ class WorkloadSpec(BaseModel):
             return cls.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"]) or "workload"
+            loc = ".".join(str(x) for x in err["loc"])
             fields = ", ".join(cls.model_fields)
-            raise SpecError(f"workload {loc}: {err['msg']}", fix=f"workload fields: {fields}") from e
+            where = f"workload {loc}" if loc else "workload"
+            raise SpecError(f"{where}: {err['msg'].removeprefix('Value error, ')}", fix=f"workload fields: {fields}") from e

@@ -129,6 +129,26 @@ def _gen_parts(costs: list[PhaseCost]) -> str:
     return ", ".join(parts)
 
 
+def _batching(costs: list[PhaseCost]) -> str:
+    """How a replica's requests go through the engine: ``, 3 padded waves`` (hf), or the
+    continuous batch's peak, its preemptions and its tail (vllm)."""
+    c = max(costs, key=lambda c: c.time)
+    if "preempted" not in c.detail:
+        return f", {c.waves} padded waves" if c.waves > 1 else ", one padded wave"
+    out = f"; up to {c.detail['concurrency']:.0f} sequences decode at once in {c.memory.kv_cache:.1f} GB of cache"
+    if c.detail["preempted"] > 0:
+        out += (
+            f" (full: {c.detail['preempted']:.0f} preemptions recompute {c.detail['recomputed_tokens']:,.0f} tokens;"
+            " more memory would cut them)"
+        )
+    if c.detail["decode"] > 0 and c.detail["tail"] > 0:
+        out += (
+            f"; the long tail (under a quarter of them still running) takes {c.detail['tail_steps']:.0f} of"
+            f" {c.detail['decode_steps']:.0f} decode steps, {c.detail['tail'] / c.detail['decode'] * 100:.0f} % of the decode time"
+        )
+    return out
+
+
 def rollout_backend_line(table: OptionTable, unit: str, g: GenChoice) -> str | None:
     """Why ``unit`` generates with its backend: its predicted time against each other rollout
     backend on the same layout and memory (None when only one backend was offered)."""
@@ -215,10 +235,9 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
             unit = table.units[u]
             if unit.generates:
                 g = ch.gens[u]
-                waves = max(c.waves for c in g.op_costs.values())
                 lines.append(
                     f"{u}: {g.layout.short()} — {g.layout.dp} replicas, {g.free_gb:.1f} GB per device left for the KV cache"
-                    + (f", {waves} waves" if waves > 1 else ", one wave")
+                    + _batching(list(g.op_costs.values()))
                     + (f"; weights reach it by {g.reshard.method} in {g.reshard.time:.2f} s" if g.reshard else "")
                     + (
                         f"; the co-located state ({ch.resident_gb:.1f} GB per device) sleeps in host memory while it generates (+{g.swap_s:.1f} s)"

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flowc.ir.models import ModelSpec
+from flowc.passes.response_lengths import LengthDist
 
 
 def matmul_params(m: ModelSpec) -> int:
@@ -60,6 +61,8 @@ class Demand:
         mean_response_len: expected generated length.
         passes: how many times the op runs over the data per step (epochs).
         updates: optimizer updates per step (``mini_batches × epochs``).
+        percentiles: measured response lengths (min, p50, p90, p99, max), when the workload
+            gives them; otherwise :attr:`lengths` is an exponential with the mean.
     """
 
     sequences: int
@@ -68,6 +71,12 @@ class Demand:
     mean_response_len: float
     passes: int = 1
     updates: int = 1
+    percentiles: tuple[float, ...] | None = None
+
+    @property
+    def lengths(self) -> LengthDist:
+        """The response-length distribution generation is priced over."""
+        return LengthDist.of(self.response_len, self.mean_response_len, self.percentiles)
 
     @property
     def seq_len(self) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from flowc.ir.models import ModelSpec
-from flowc.ir.plan import STATIC_BATCH_BACKENDS, Layout, kv_tokens_held
+from flowc.ir.plan import KV_BLOCK_TOKENS, STATIC_BATCH_BACKENDS, Layout, kv_tokens_held
 from flowc.passes.costs import (
     FIXED_BUFFERS_GB,
     GB,
@@ -18,6 +18,7 @@ from flowc.passes.costs import (
     shape_efficiency,
 )
 from flowc.passes.flops import Demand, attention_flops_per_token, forward_flops, matmul_params
+from flowc.passes.response_lengths import continuous_batch
 
 
 def generation_weights_gb(m: ModelSpec, lay: Layout) -> float:
@@ -27,15 +28,6 @@ def generation_weights_gb(m: ModelSpec, lay: Layout) -> float:
 def kv_bytes_per_token_device(m: ModelSpec, lay: Layout) -> float:
     split = 1 if m.is_mla else min(lay.tp, m.num_kv_heads)
     return m.kv_bytes_per_token / split / lay.pp
-
-
-def longest_of(n: float, mean: float, limit: float) -> float:
-    """Expected longest of ``n`` response lengths with mean ``mean``, cut at ``limit``: lengths
-    taken as exponential (the maximum of n is mean × H_n, H_n ≈ ln n + γ); every response runs
-    to the limit when the mean is the limit."""
-    if mean >= limit or n <= 1:
-        return min(mean, limit) if n <= 1 else limit
-    return min(limit, mean * (math.log(n) + 0.5772))
 
 
 def prefill_device_s(m: ModelSpec, lay: Layout, hw: Hw, rows: float, prompt_len: float) -> float:
@@ -62,60 +54,90 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
     is left for this phase (after co-located roles and the generation weights
     are counted by the caller). None when not even one sequence fits.
 
-    The layout's backend decides how a wave decodes: vLLM batches continuously (a finished
-    sequence leaves the batch, so the mean response length sets the work), the HF loop
-    decodes the wave as one padded batch until its longest response ends; each backend adds
-    its own per-request, per-step and per-layer host costs and kernel speed
+    The layout's backend decides how a replica decodes its share of the requests, over the
+    workload's response-length distribution (:class:`flowc.passes.response_lengths.LengthDist`):
+    vLLM batches continuously in a paged cache (:func:`continuous_batch`: a finished sequence
+    leaves the batch and frees its blocks, a waiting one takes its place, a full cache preempts
+    and recomputes; the batch ends with its longest response, the last ones decoding few at a
+    time); the HF loop decodes waves of padded rows until each wave's longest response ends.
+    Each backend adds its own per-request, per-step and per-layer host costs and kernel speed
     (:class:`flowc.ir.hardware.RolloutCost`)."""
     rc = hw.rollout_cost(lay.backend)
-    static = lay.backend in STATIC_BATCH_BACKENDS
     buf = FIXED_BUFFERS_GB[hw.kind] + hw.process_gb + rc.resident_gb
     kv_tok = kv_bytes_per_token_device(m, lay)
-    kv_seq = kv_tokens_held(d.prompt_len + d.response_len, lay.backend, hw.kind) * kv_tok
+    kv_one = kv_tokens_held(d.prompt_len + d.response_len, lay.backend, hw.kind) * kv_tok
     logits_seq = m.vocab_size * 4.0 / lay.tp  # fp32 logits of the sampling step, per sequence in the batch
     free = free_gb * GB - buf * GB
-    if free < kv_seq + logits_seq:
+    if free < kv_one + logits_seq:
         return None
     seqs = math.ceil(d.sequences * d.passes / lay.dp)
-    conc = int(free // (kv_seq + logits_seq))
-    waves = max(1, math.ceil(seqs / conc))
-    b = math.ceil(seqs / waves)
-    prefill = prefill_device_s(m, lay, hw, b, d.prompt_len)
-    if lay.tp > 1:
-        prefill += (
-            allreduce_time(b * d.prompt_len * m.hidden_size * m.bytes_per_param, lay.tp, hw.link(lay.tp), hw.latency)
-            * 2
-            * m.num_layers
-        )
-    # decode: one step per token of the longest response (continuous batching: of the longest
-    # still admitted); each reads the weight shard and the KV cache (memory-bound) or is compute-bound
-    if static:  # a padded batch: every row computes every step until the wave's longest ends
-        steps = longest_of(b, d.mean_response_len, d.response_len)
-        active = float(b)
-        ctx = d.prompt_len + steps / 2.0
-    else:
-        steps = d.response_len
-        active = b * d.mean_response_len / d.response_len  # mean active sequences over the steps
-        ctx = d.prompt_len + d.mean_response_len / 2.0
+    dist = d.lengths
     per_layer = hw.layer_overhead if rc.layer_overhead_us is None else rc.layer_overhead_us * 1e-6
-    floor = m.num_layers * per_layer + rc.step_ms * 1e-3
-    floor += (2 * m.num_layers * hw.latency if lay.tp > 1 else 0.0) + (lay.pp - 1) * hw.latency
+    fixed = m.num_layers * per_layer + rc.step_ms * 1e-3 + (lay.pp - 1) * hw.latency
     if m.is_moe and lay.ep > 1:
-        floor += 2 * m.moe_layers * hw.latency
-    step = decode_step_device_s(m, lay, hw, active, ctx) / rc.decode_scale + floor
-    decode = steps * step
+        fixed += 2 * m.moe_layers * hw.latency
+
+    def step_s(running: float, ctx: float) -> float:
+        """One decode step with ``running`` sequences: device work at the backend's kernel speed,
+        its fixed host costs, and two tensor-parallel all-reduces of the hidden states per layer
+        (small messages: one latency each, as a one-shot all-reduce takes, plus the ring's bytes)."""
+        comm = 0.0
+        if lay.tp > 1:
+            comm = allreduce_time(running * m.hidden_size * m.bytes_per_param, lay.tp, hw.link(lay.tp), 0.0) + hw.latency
+        return decode_step_device_s(m, lay, hw, running, ctx) / rc.decode_scale + fixed + 2 * m.num_layers * comm
+
+    def prefill_s(rows: float, tokens: float) -> float:
+        """Prefill of ``tokens`` prompt tokens in chunks of ``rows`` prompts."""
+        one = prefill_device_s(m, lay, hw, rows, d.prompt_len)
+        one += (
+            2
+            * m.num_layers
+            * allreduce_time(rows * d.prompt_len * m.hidden_size * m.bytes_per_param, lay.tp, hw.link(lay.tp), hw.latency)
+        )
+        return one * tokens / (rows * d.prompt_len)
+
     requests = seqs * rc.request_ms * 1e-3  # host work per request, which the engine does not hide
-    total = waves * (prefill + decode) + requests
-    kv_used = min(b, conc) * kv_seq / GB
+    if lay.backend in STATIC_BATCH_BACKENDS:  # padded waves: every row computes every step until the wave's longest ends
+        conc = int(free // (kv_one + logits_seq))
+        waves = max(1, math.ceil(seqs / conc))
+        b = math.ceil(seqs / waves)
+        steps = dist.expected_max(b)
+        step = step_s(float(b), d.prompt_len + steps / 2.0)
+        prefill = waves * prefill_s(float(b), b * d.prompt_len)
+        decode = waves * steps * step
+        kv_used, running, detail = min(b, conc) * kv_one / GB, float(b), {}
+    else:
+        rows = min(seqs, rc.max_seqs or seqs)
+        while rows > 1 and free - rows * logits_seq < kv_one:
+            rows = max(1, rows // 2)
+        cap = (free - rows * logits_seq) / kv_tok
+        sched = continuous_batch(dist, seqs, d.prompt_len, cap, KV_BLOCK_TOKENS[hw.kind], rows)
+        ctx = d.prompt_len + dist.held_mean
+        decode = sum(n * step_s(r, ctx) for n, r in sched.levels)
+        steps, waves, running = sched.steps, 1, float(sched.most_running)
+        prefill = prefill_s(float(max(1, min(seqs, sched.most_running))), seqs * d.prompt_len + sched.recomputed_tokens)
+        step = decode / steps if steps else 0.0
+        kv_used = sched.peak_tokens * kv_tok / GB  # the cache the engine is given: its peak demand, or all that is free
+        detail = {
+            "preempted": float(sched.preempted),
+            "recomputed_tokens": sched.recomputed_tokens,
+            "tail_steps": sched.tail_steps,
+            "tail": sum(n * step_s(r, ctx) for n, r in sched.levels if r < sched.most_running / 4.0),
+        }
+    total = prefill + decode + requests
     mem = memory_gb(
-        weights=generation_weights_gb(m, lay), kv_cache=kv_used, activations=b * m.vocab_size * 4.0 / lay.tp / GB, buffers=buf
+        weights=generation_weights_gb(m, lay),
+        kv_cache=kv_used,
+        activations=running * m.vocab_size * 4.0 / lay.tp / GB,
+        buffers=buf,
     )
     detail = {
-        "prefill": waves * prefill,
-        "decode": waves * decode,
+        "prefill": prefill,
+        "decode": decode,
         "requests": requests,
         "step_s": step,
         "decode_steps": float(steps),
-        "concurrency": float(conc),
+        "concurrency": running,
+        **detail,
     }
     return PhaseCost(total, mem, 0.0, 0.0, waves, detail)

@@ -107,11 +107,13 @@ def demands(g: FlowGraph, w: WorkloadSpec) -> dict[str, Demand]:
         mean_r = w.avg_response_len
         resp = w.response_len
         if n.op == "generate":
+            pct = w.response_percentiles
             max_tokens = n.kwargs.get("max_tokens")
-            if max_tokens is not None:
-                resp = min(resp, int(max_tokens))
+            if max_tokens is not None and int(max_tokens) < resp:
+                resp = int(max_tokens)
                 mean_r = min(mean_r, float(resp))
-            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r)
+                pct = None if pct is None else tuple(min(x, float(resp)) for x in pct)
+            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, percentiles=pct)
         elif n.op == "update":
             out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, passes=w.epochs, updates=updates)
         else:

@@ -66,15 +66,21 @@ def test_qwen3_moe_expert_parallel_memory_by_hand():
     assert o == pytest.approx(12 * (dense / 2 / 4 + experts / 8 / 1) / 1e9)
 
 
-def test_kv_cache_and_generation_waves():
+def test_a_paged_kv_cache_sized_by_its_peak_and_preemption_when_it_runs_out():
     assert Q7.kv_bytes_per_token == 2 * 4 * 128 * 28 * 2
     lay = Layout(dp=1, tp=1, backend="vllm")
     d = Demand(sequences=512, prompt_len=1024, response_len=1024, mean_response_len=1024)
-    roomy = generate_cost(Q7, lay, d, H100, free_gb=60.0)
+    per_seq = 2048 * Q7.kv_bytes_per_token  # every response runs to the limit: 2048 tokens in 16-token blocks
+    roomy = generate_cost(Q7, lay, d, H100, free_gb=70.0)
+    # all 512 run at once; the cache the engine gets is their peak, not all that is free
+    assert roomy.detail["preempted"] == 0 and roomy.detail["concurrency"] == 512
+    assert roomy.memory.kv_cache == pytest.approx(512 * per_seq / 1e9)
+    assert roomy.detail["decode_steps"] == 1024
     tight = generate_cost(Q7, lay, d, H100, free_gb=8.0)
-    per_seq = 2048 * Q7.kv_bytes_per_token
-    assert roomy.waves == -(-512 // int((60.0 - 1.0) * 1e9 // per_seq))
-    assert tight.waves > roomy.waves and tight.time > roomy.time
+    # about 55 sequences fit at their peak: the rest wait, the cache fills, the last admitted are preempted and recomputed
+    assert tight.detail["concurrency"] < 512 / 4 and tight.detail["preempted"] > 0 and tight.detail["recomputed_tokens"] > 0
+    assert tight.memory.kv_cache <= 8.0 - 1.0 and tight.detail["decode_steps"] > 4 * 1024
+    assert tight.time > roomy.time
     assert generate_cost(Q7, lay, d, H100, free_gb=1.05) is None  # not even one sequence fits
 
 

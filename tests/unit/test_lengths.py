@@ -11,6 +11,7 @@ import pytest
 from helpers import EXAMPLES, ROOT, flowc_cmd
 
 from flowc.errors import SpecError
+from flowc.ir.plan_text import format_plan
 from flowc.lengths import LAST_STEPS, expand
 from flowc.loader import load_flow
 from flowc.passes.pipeline import make_plan
@@ -77,6 +78,58 @@ def test_flowc_plan_takes_it_and_says_where_the_mean_came_from(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["workload"]["mean_response_len"] == 5.0
     assert "mean_response_len=5.0: measured by" in r.stderr
+
+
+def shaped_run(tmp_path: Path, name: str, mean: float, shape: tuple[float, ...], limit: int = 2048, steps: int = 3) -> Path:
+    """A run whose every step recorded ``mean`` and ``shape`` as min/p50/p90/p99/max."""
+    run = tmp_path / name
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"workload": {"prompts": 8, "response_len": limit}}))
+    stats = dict(zip(("min", "p50", "p90", "p99", "max"), shape, strict=True))
+    rows = [
+        {"step": i, "step_s": 1.0, "response_length/mean": mean, **{f"response_length/{k}": v for k, v in stats.items()}}
+        for i in range(steps)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_the_measured_shape_is_the_median_percentiles_made_ascending(tmp_path):
+    run = tmp_path / "shape"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"workload": {"response_len": 24}}))
+    rows = [  # medians: min 2, p50 6, p90 5 (below p50: raised to 6), p99 20, max 24
+        {"step": 1, "step_s": 1, "response_length/mean": 7, "response_length/min": 1, "response_length/p50": 6,
+         "response_length/p90": 5, "response_length/p99": 20, "response_length/max": 24},
+        {"step": 2, "step_s": 1, "response_length/mean": 8, "response_length/min": 2, "response_length/p50": 6,
+         "response_length/p90": 4, "response_length/p99": 21, "response_length/max": 24},
+        {"step": 3, "step_s": 1, "response_length/mean": 9, "response_length/min": 3, "response_length/p50": 7,
+         "response_length/p90": 5, "response_length/p99": 19, "response_length/max": 24},
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    words, (note,) = expand(f"response_len=24,lengths_from={run}")
+    assert words == "response_len=24,mean_response_len=8,response_percentiles=2/6/6/20/24"
+    assert "min/p50/p90/p99/max 2/6/6/20/24" in note
+    with pytest.raises(SpecError, match="both response_percentiles and lengths_from"):
+        expand(f"response_len=24,response_percentiles=1/2/3/4/5,lengths_from={run}")
+
+
+def test_a_measured_long_tail_costs_generation_time(tmp_path):
+    """Of two runs, the one whose slowest responses run to the limit plans a longer rollout (the
+    batch waits for them) than the one whose lengths are even, though its mean is shorter."""
+    even = shaped_run(tmp_path, "even", 502, (480, 500, 520, 540, 560))
+    tail = shaped_run(tmp_path, "tail", 475, (10, 200, 1100, 2048, 2048))
+    g = load_flow(str(EXAMPLES / "grpo.py")).trace()
+    gen = {}
+    for name, run in (("even", even), ("tail", tail)):
+        words = f"prompts=64,response_len=2048,lengths_from={run}"
+        req = build_request(g, model_words=["actor=qwen2.5-7b"], cluster="8xH100", workload=words, pin_words=None, plan_file=None)
+        assert req.workload.response_percentiles is not None
+        plan = make_plan(g, req.models, req.cluster, req.workload, req.pins, target=req.target)[0]
+        gen[name] = plan.roles["actor"].phases["generate"].time_s
+        if name == "tail":
+            assert "response 2048 (mean 475.0, min/p50/p90/p99/max 10/200/1100/2048/2048)" in format_plan(plan)
+    assert gen["tail"] > 1.5 * gen["even"], gen
 
 
 def test_percentiles_are_nearest_rank():

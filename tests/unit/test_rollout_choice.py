@@ -8,8 +8,6 @@ ends. Regression: the planner took the first installed backend (vLLM), which on 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from helpers import EXAMPLES
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +21,7 @@ from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
 from flowc.passes.costs import Hw
 from flowc.passes.flops import Demand
-from flowc.passes.generation_costs import generate_cost, longest_of
+from flowc.passes.generation_costs import generate_cost
 from flowc.passes.pins import parse_pins
 from flowc.passes.pipeline import make_plan
 from flowc.runtime.step_metrics import covered_seconds
@@ -47,29 +45,25 @@ def _hw(**rollout: RolloutCost) -> Hw:
     return replace(Hw.of(LOCAL), rollout=tuple(sorted(rollout.items())))
 
 
-def test_longest_of_n_responses():
-    assert longest_of(1, 3.0, 24) == 3.0
-    assert longest_of(8, 24.0, 24) == 24  # every response runs to the limit
-    # exponential lengths: the longest of n is mean × H_n (H_n ≈ ln n + γ), cut at the limit
-    assert longest_of(64, 3.5, 24) == pytest.approx(3.5 * (math.log(64) + 0.5772))
-    assert longest_of(4096, 3.5, 24) == 24
-
-
 def test_vllm_pays_per_request_and_hf_decodes_the_padded_batch():
     m = ModelSpec.resolve("flowc-tiny").model_copy(update={"dtype": "float32"})
     d = Demand(sequences=64, prompt_len=8, response_len=24, mean_response_len=4.0)
     plain = _hw()
     v0 = generate_cost(m, Layout(backend="vllm"), d, plain, free_gb=8.0)
     h0 = generate_cost(m, Layout(backend="hf"), d, plain, free_gb=8.0)
-    # continuous batching decodes up to the limit with the unfinished sequences; the padded batch
-    # decodes until the longest of 64 ends (4 × H_64 ≈ 18.9 steps), every row every step
-    assert v0.detail["decode_steps"] == 24
-    assert h0.detail["decode_steps"] == pytest.approx(longest_of(64, 4.0, 24))
+    # continuous batching decodes until the longest of the 64 ends, with the unfinished sequences;
+    # the padded batch as long, every row every step (the longest of 64 exponential lengths of
+    # mean 4 is about 4 × H_64 ≈ 18.9 steps)
+    assert v0.detail["decode_steps"] == pytest.approx(d.lengths.quantile(1 - 0.5 / 64))
+    assert h0.detail["decode_steps"] == pytest.approx(d.lengths.expected_max(64))
+    assert 17 < h0.detail["decode_steps"] < 21 and 17 < v0.detail["decode_steps"] < 21
+    assert v0.detail["concurrency"] == 64 and h0.detail["concurrency"] == 64
+    assert v0.detail["decode"] <= h0.detail["decode"]  # the padded rows compute to the end; the finished leave
     assert v0.detail["requests"] == 0.0 == h0.detail["requests"]
     costly = _hw(vllm=RolloutCost(request_ms=2.0, step_ms=1.0))
     v1 = generate_cost(m, Layout(backend="vllm"), d, costly, free_gb=8.0)
     assert v1.detail["requests"] == pytest.approx(64 * 2e-3)
-    assert v1.time == pytest.approx(v0.time + 64 * 2e-3 + 24 * 1e-3)
+    assert v1.time == pytest.approx(v0.time + 64 * 2e-3 + v0.detail["decode_steps"] * 1e-3)
     slow = _hw(hf=RolloutCost(decode_scale=0.5, layer_overhead_us=0.0))
     h1 = generate_cost(m, Layout(backend="hf"), d, slow, free_gb=8.0)
     floor = m.num_layers * plain.layer_overhead

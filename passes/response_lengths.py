@@ -1,0 +1,286 @@
+"""The response-length distribution that generation is priced over, and a paged, continuously
+batched engine's schedule over it (what vLLM does with a batch of requests).
+
+A batch of rollouts ends when its longest response does, and the last responses decode a few
+sequences at a time, at the step's fixed cost (the long tail). Pricing generation at the mean
+length hides both. :class:`LengthDist` is the distribution the workload describes: measured
+percentiles when it gives them (``response_percentiles``, e.g. from ``lengths_from=RUN_DIR``),
+otherwise an exponential with the workload's mean, cut at the response limit (the cut is the
+clipped share every RL run reports), or every response at the limit when no mean is given.
+
+:func:`continuous_batch` plays one replica's requests through an engine with a KV cache of
+``cap_tokens`` tokens: a request is admitted (in submission order) when the cache holds its
+prompt, a running sequence holds its prompt and what it generated so far in whole blocks, a
+finished one frees them; when the running sequences fill the cache the last admitted is
+preempted and later re-admitted with its prompt and generated tokens recomputed (vLLM's
+recompute preemption). The result is the number of sequences decoding over time, which the
+cost model turns into decode seconds, plus the cache's peak demand and the tokens recomputed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+
+from flowc.ir.workload import PERCENTILE_SHARES, percentiles_mean
+
+#: quantile points a schedule is played with: a replica's requests beyond this many are priced
+#: with this many representatives (their cache and sequence cap scaled alike)
+MAX_SIMULATED = 512
+#: duration-weighted levels the batch-size profile is reduced to for pricing
+PROFILE_LEVELS = 12
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Response lengths under a limit, as a quantile function.
+
+    Attributes:
+        limit: the response limit (no response is longer).
+        theta: scale of the exponential the lengths follow below the limit (``inf``: every
+            response at the limit); used when ``knots`` is empty.
+        knots: ``(u, length)`` points of a piecewise-linear quantile function (u from 0 to 1),
+            from measured percentiles.
+    """
+
+    limit: float
+    theta: float = math.inf
+    knots: tuple[tuple[float, float], ...] = ()
+
+    @staticmethod
+    def of(limit: float, mean: float, percentiles: tuple[float, ...] | None = None) -> LengthDist:
+        """The distribution a workload describes: ``percentiles`` (min, p50, p90, p99, max) when
+        given, else an exponential cut at ``limit`` whose mean is ``mean``."""
+        return _dist(float(limit), float(mean), tuple(percentiles) if percentiles else None)
+
+    def quantile(self, u: float) -> float:
+        """The length below which a share ``u`` of responses end."""
+        u = min(max(u, 0.0), 1.0)
+        if self.knots:
+            for (u0, x0), (u1, x1) in zip(self.knots, self.knots[1:], strict=False):
+                if u <= u1:
+                    return x0 if u1 <= u0 else x0 + (x1 - x0) * (u - u0) / (u1 - u0)
+            return self.knots[-1][1]
+        if math.isinf(self.theta) or u >= 1.0:
+            return self.limit
+        return min(self.limit, max(1.0, -self.theta * math.log1p(-u)))
+
+    @property
+    def mean(self) -> float:
+        return _mean(self)
+
+    def expected_max(self, n: float) -> float:
+        """Expected longest of ``n`` responses (what a padded batch of ``n`` decodes for):
+        ``∫ x(v^(1/n)) dv`` by the midpoint rule."""
+        return self.mean if n <= 1 else _expected_max(self, float(n))
+
+    def lengths(self, n: int) -> tuple[float, ...]:
+        """``n`` representative lengths: the quantiles at ``(i + ½)/n``, ascending."""
+        return _lengths(self, n)
+
+    @property
+    def held_mean(self) -> float:
+        """Mean response tokens a sequence holds while it decodes (length-biased: a response of
+        length L is in flight for L steps, holding L/2 tokens on average): ``E[L²] / 2E[L]``."""
+        return _held_mean(self)
+
+
+@lru_cache(maxsize=4096)
+def _expected_max(d: LengthDist, n: float) -> float:
+    k = 256
+    return sum(d.quantile(((j + 0.5) / k) ** (1.0 / n)) for j in range(k)) / k
+
+
+@lru_cache(maxsize=1024)
+def _lengths(d: LengthDist, n: int) -> tuple[float, ...]:
+    return tuple(d.quantile((i + 0.5) / n) for i in range(n))
+
+
+@lru_cache(maxsize=1024)
+def _held_mean(d: LengthDist) -> float:
+    xs = d.lengths(256)
+    return sum(x * x for x in xs) / (2.0 * sum(xs))
+
+
+@lru_cache(maxsize=4096)
+def _dist(limit: float, mean: float, percentiles: tuple[float, ...] | None) -> LengthDist:
+    if percentiles:
+        xs = (min(max(float(x), 1.0), limit) for x in percentiles)
+        return LengthDist(limit, knots=tuple(zip(PERCENTILE_SHARES, xs, strict=True)))
+    mean = min(max(mean, 1.0), limit)
+    if mean >= limit * (1.0 - 1e-6):
+        return LengthDist(limit)
+    # the mean of min(Exp(θ), limit) is θ(1 - e^(-limit/θ)), rising from 0 to the limit with θ
+    lo, hi = mean, mean
+    while hi * -math.expm1(-limit / hi) < mean:
+        hi *= 2.0
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        if mid * -math.expm1(-limit / mid) < mean:
+            lo = mid
+        else:
+            hi = mid
+    return LengthDist(limit, theta=0.5 * (lo + hi))
+
+
+@lru_cache(maxsize=4096)
+def _mean(d: LengthDist) -> float:
+    if d.knots:
+        return percentiles_mean(tuple(x for _, x in d.knots))
+    if math.isinf(d.theta):
+        return d.limit
+    return d.theta * -math.expm1(-d.limit / d.theta)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One replica's decode under continuous batching.
+
+    Attributes:
+        levels: ``(steps, running)`` pairs: how many decode steps run with how many sequences
+            (duration-weighted levels, ascending in ``running``).
+        steps: decode steps from the first admission to the last response's end.
+        peak_tokens: the most cache tokens the running sequences held at once.
+        most_running: the most sequences decoding at once.
+        preempted: preemptions (each re-admitted sequence recomputes its tokens).
+        recomputed_tokens: prompt and generated tokens prefilled again after preemptions.
+        tail_steps: steps in which fewer than a quarter of ``most_running`` sequences ran.
+    """
+
+    levels: tuple[tuple[float, float], ...]
+    steps: float
+    peak_tokens: float
+    most_running: float
+    preempted: int
+    recomputed_tokens: float
+    tail_steps: float
+
+
+def continuous_batch(dist: LengthDist, n: int, prompt: float, cap_tokens: float, block: int, max_seqs: int | None) -> Schedule:
+    """Play ``n`` requests of ``prompt`` tokens with lengths from ``dist`` through an engine whose
+    KV cache holds ``cap_tokens`` tokens in blocks of ``block`` and that runs at most ``max_seqs``
+    sequences at once (None: no such limit). The cache must hold one whole sequence."""
+    need = prompt + dist.limit + block
+    # scaled down only while the scaled cache and sequence cap still hold a few sequences each
+    scale = max(1.0, min(n / MAX_SIMULATED, cap_tokens / (4.0 * need), (max_seqs or math.inf) / 4.0))
+    m = max(1, round(n / scale))
+    scale = n / m
+    seqs = None if max_seqs is None else max(1, round(max_seqs / scale))
+    # quantise the cache (2 % steps, downward) so that nearby candidates share one schedule
+    cap = cap_tokens / scale
+    cap = math.exp(math.floor(math.log(max(cap, 1.0)) / 0.02) * 0.02)
+    s = _play(dist, m, float(prompt), max(cap, need), int(block), seqs)
+    if scale == 1.0:
+        return s
+    return Schedule(
+        tuple((steps, running * scale) for steps, running in s.levels),
+        s.steps,
+        s.peak_tokens * scale,
+        s.most_running * scale,
+        round(s.preempted * scale),
+        s.recomputed_tokens * scale,
+        s.tail_steps,
+    )
+
+
+@lru_cache(maxsize=2048)
+def _play(dist: LengthDist, n: int, prompt: float, cap: float, block: int, max_seqs: int | None) -> Schedule:
+    lengths = list(dist.lengths(n))
+    limit = max_seqs or n
+    if n <= limit:  # every request admitted at once: exact in whole blocks, if the cache holds them
+        blocks = [n * -(-(prompt + 1) // block) * block] + [
+            (n - k) * -(-(prompt + x) // block) * block for k, x in enumerate(lengths)
+        ]  # the peak comes just before a response ends: the running ones hold the prompt and x tokens
+        if max(blocks) <= cap:
+            segments = [(x - prev, n - k) for k, (prev, x) in enumerate(zip([0.0, *lengths], lengths, strict=False))]
+            tail = sum(d for d, a in segments if a < n / 4.0)
+            return Schedule(_levels(segments), lengths[-1], max(blocks), n, 0, 0.0, tail)
+    random.Random(n).shuffle(lengths)  # submission order is unrelated to length
+    half = block / 2.0  # a sequence's last block is half empty on average
+    waiting: deque[tuple[int, float]] = deque((i, 0.0) for i in range(n))
+    running: dict[int, float] = {}  # index -> virtual start (now - generated), in admission order
+    ends: list[tuple[float, int, int]] = []  # (end time, index, admission) with stale entries
+    admission = [0] * n
+    t = 0.0
+    start_sum = 0.0  # Σ virtual starts of the running sequences
+    segments: list[tuple[float, int]] = []
+    peak = 0.0
+    preempted = 0
+    recomputed = 0.0
+
+    def held(at: float) -> float:
+        return len(running) * (prompt + half + at) - start_sum
+
+    def admit(at: float) -> None:
+        nonlocal start_sum, recomputed
+        while waiting and len(running) < limit:
+            i, done = waiting[0]
+            if running and held(at) + prompt + done + half > cap:
+                return
+            waiting.popleft()
+            running[i] = at - done
+            start_sum += at - done
+            admission[i] += 1
+            heapq.heappush(ends, (at - done + lengths[i], i, admission[i]))
+            if admission[i] > 1:  # back after a preemption: its prompt and generated tokens prefilled again
+                recomputed += prompt + done
+
+    admit(0.0)
+    while running:
+        while ends and (ends[0][1] not in running or ends[0][2] != admission[ends[0][1]]):
+            heapq.heappop(ends)
+        end = ends[0][0]
+        a = len(running)
+        full = t + (cap - held(t)) / a  # the cache fills while every running sequence grows a token a step
+        if full < end - 1e-9:
+            segments.append((full - t, a))
+            t = full
+            peak = max(peak, held(t))
+            i, start = running.popitem()  # vLLM preempts the last admitted
+            start_sum -= start
+            waiting.appendleft((i, t - start))
+            preempted += 1
+            if not running:  # one sequence alone outgrew the cache (never: the caller sizes it for one)
+                raise ValueError("the KV cache does not hold one sequence")
+            continue
+        segments.append((end - t, a))
+        t = end
+        peak = max(peak, held(t))
+        while ends and ends[0][0] <= t + 1e-9:
+            _, i, adm = heapq.heappop(ends)
+            if i in running and adm == admission[i]:
+                start_sum -= running.pop(i)
+        admit(t)
+    most = max((a for _, a in segments), default=0)
+    tail = sum(d for d, a in segments if a < most / 4.0)
+    # reported with a whole block per sequence (what partly filled last blocks can add)
+    return Schedule(_levels(segments), t, min(cap, peak + most * half), most, preempted, recomputed, tail)
+
+
+def _levels(segments: list[tuple[float, int]]) -> tuple[tuple[float, float], ...]:
+    """``segments`` reduced to at most :data:`PROFILE_LEVELS` (steps, mean running) levels of
+    about equal steps, sorted by how many sequences run (the step cost is linear in the batch
+    size except at the memory/compute knee, so this keeps the priced total)."""
+    segs = sorted((a, d) for d, a in segments if d > 0)
+    total = sum(d for _, d in segs)
+    if total <= 0:
+        return ()
+    out: list[tuple[float, float]] = []
+    width = total / PROFILE_LEVELS
+    acc_d = acc_ad = 0.0
+    for a, d in segs:
+        acc_d += d
+        acc_ad += a * d
+        if acc_d >= width:
+            out.append((acc_d, acc_ad / acc_d))
+            acc_d = acc_ad = 0.0
+    if acc_d > 0:
+        out.append((acc_d, acc_ad / acc_d))
+    return tuple(out)
+
+
+__all__ = ["LengthDist", "Schedule", "continuous_batch"]

@@ -1,0 +1,116 @@
+"""The response-length distribution and continuous batching over it (passes/response_lengths.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowc.errors import SpecError
+from flowc.ir.workload import WorkloadSpec
+from flowc.passes.response_lengths import MAX_SIMULATED, LengthDist, continuous_batch
+
+
+def test_no_mean_is_every_response_at_the_limit():
+    d = LengthDist.of(512, 512)
+    assert d.mean == 512 and d.quantile(0.0) == 512 and d.expected_max(100) == 512 and d.held_mean == 256
+
+
+def test_an_exponential_cut_at_the_limit_keeps_the_mean_and_its_clipped_share():
+    d = LengthDist.of(4096, 1960)
+    assert d.mean == pytest.approx(1960, rel=1e-6)
+    # θ(1 - e^(-L/θ)) = mean, and the share cut at the limit is e^(-L/θ)
+    assert d.theta * -math.expm1(-4096 / d.theta) == pytest.approx(1960, rel=1e-6)
+    clipped = math.exp(-4096 / d.theta)
+    assert d.quantile(1 - clipped / 2) == 4096 and d.quantile(1 - clipped * 2) < 4096
+    assert d.quantile(0.5) == pytest.approx(d.theta * math.log(2))
+
+
+def test_expected_longest_against_sampling():
+    d = LengthDist.of(4096, 600)
+    rng = random.Random(0)
+    for n in (1, 8, 64):
+        draws = [max(min(rng.expovariate(1 / d.theta), 4096) for _ in range(n)) for _ in range(4000)]
+        assert d.expected_max(n) == pytest.approx(sum(draws) / len(draws), rel=0.04), n
+    assert d.expected_max(1) == pytest.approx(d.mean)
+    assert d.expected_max(10**6) == pytest.approx(4096, rel=1e-3)  # a million responses: one reaches the limit
+
+
+def test_measured_percentiles_are_the_quantile_function():
+    d = LengthDist.of(512, 200, (10, 150, 400, 500, 512))
+    assert d.quantile(0) == 10 and d.quantile(0.5) == 150 and d.quantile(0.9) == 400 and d.quantile(1) == 512
+    assert d.quantile(0.7) == pytest.approx(275)
+    # the knots' mean by hand: ½·(10+150)/2 + 0.4·(150+400)/2 + 0.09·(400+500)/2 + 0.01·(500+512)/2
+    assert d.mean == pytest.approx(40 + 110 + 40.5 + 5.06)
+
+
+def test_the_workload_takes_percentiles_as_text_and_checks_them():
+    w = WorkloadSpec.parse("response_len=512,mean_response_len=200,response_percentiles=10/150/400/500/512")
+    assert w.response_percentiles == (10, 150, 400, 500, 512)
+    with pytest.raises(SpecError, match="ascending, from 1 to response_len 512"):
+        WorkloadSpec.parse("response_len=512,response_percentiles=10/150/100/500/512")
+    with pytest.raises(SpecError, match="ascending, from 1 to response_len 256"):
+        WorkloadSpec.parse("response_len=256,response_percentiles=10/150/200/250/512")
+    with pytest.raises(SpecError, match="outside response_percentiles' min 10 and max 500"):
+        WorkloadSpec.parse("response_len=512,mean_response_len=501,response_percentiles=10/150/400/500/500")
+    # without a mean, training is priced at the distribution's mean (the mean generation sees), not the limit
+    alone = WorkloadSpec.parse("response_len=512,response_percentiles=10/150/400/500/512")
+    assert alone.avg_response_len == pytest.approx(LengthDist.of(512, 512, alone.response_percentiles).mean)
+    assert alone.avg_response_len == pytest.approx(195.56)
+
+
+def test_everything_fits_the_batch_shrinks_as_responses_end():
+    d = LengthDist.of(64, 64, (1, 16, 40, 60, 64))
+    s = continuous_batch(d, 8, 10, 1e9, 16, None)
+    lengths = d.lengths(8)
+    assert s.steps == pytest.approx(max(lengths)) and s.preempted == 0 and s.most_running == 8
+    assert sum(n * r for n, r in s.levels) == pytest.approx(sum(lengths))  # one token per running sequence per step
+    # the peak in whole 16-token blocks, just before a response ends
+    ordered = sorted(lengths)
+    assert s.peak_tokens == max((8 - k) * math.ceil((10 + x) / 16) * 16 for k, x in enumerate(ordered))
+    # the tail: steps with under a quarter of the batch (1 of 8) still running
+    assert s.tail_steps == pytest.approx(ordered[-1] - ordered[-2])
+
+
+def test_a_small_cache_queues_preempts_and_recomputes():
+    d = LengthDist.of(1024, 1024)
+    roomy = continuous_batch(d, 64, 128, 64 * (128 + 1024 + 16), 16, None)
+    assert roomy.preempted == 0 and roomy.steps == 1024
+    small = continuous_batch(d, 64, 128, 16 * (128 + 1024), 16, None)
+    assert small.most_running <= 64 and small.preempted > 0 and small.recomputed_tokens > 0
+    assert small.steps >= 64 / small.most_running * 1024 * 0.9  # the queue drains a cache-full at a time
+    capped = continuous_batch(d, 64, 128, 1e9, 16, 16)  # vLLM's max_num_seqs
+    assert capped.most_running == 16 and capped.preempted == 0 and capped.steps == pytest.approx(4 * 1024)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    limit=st.integers(1, 2048),
+    mean_share=st.floats(0.01, 1.0),
+    n=st.integers(1, 3 * MAX_SIMULATED),
+    prompt=st.integers(1, 512),
+    cap_seqs=st.floats(1.0, 2000.0),
+    block=st.sampled_from([16, 128]),
+    max_seqs=st.one_of(st.none(), st.integers(1, 1024)),
+)
+def test_schedule_properties(limit, mean_share, n, prompt, cap_seqs, block, max_seqs):
+    d = LengthDist.of(limit, max(1.0, mean_share * limit))
+    cap = cap_seqs * (prompt + limit + block)
+    s = continuous_batch(d, n, prompt, cap, block, max_seqs)
+    work = sum(d.lengths(n)) if n <= MAX_SIMULATED else None
+    # every generated token is decoded once (a preempted sequence keeps its tokens; only their cache is recomputed)
+    tokens = sum(k * r for k, r in s.levels)
+    if work is not None:
+        assert tokens == pytest.approx(work, rel=1e-6)
+    else:  # n scaled to representatives of the same distribution
+        assert tokens == pytest.approx(n * d.mean, rel=0.05, abs=n)
+    assert s.steps >= d.quantile(1 - 0.5 / min(n, MAX_SIMULATED)) * (1 - 1e-6)  # the longest representative
+    assert s.steps * s.most_running >= tokens * (1 - 1e-6)
+    assert 1 <= s.most_running <= (max_seqs or n) * 1.01 + 1 and s.tail_steps <= s.steps + 1e-6
+    assert s.peak_tokens <= max(cap, prompt + limit + block) * 1.000001
+    assert (s.preempted > 0) == (s.recomputed_tokens > 0)
+    if max_seqs is None and cap >= 1.03 * n * (prompt + limit + block):  # the whole batch fits at its peak
+        assert s.preempted == 0 and s.most_running == pytest.approx(n)
