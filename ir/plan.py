@@ -177,6 +177,11 @@ class PhasePlan(BaseModel):
     # collectives) in padded tokens of compute, as the cost model prices it; under a token budget the
     # runtime splits rows of very different lengths apart only where that saves more padding than this
     micro_overhead_tokens: float = Field(0.0, ge=0)
+    # generation: the share of each device the engine may take — its weights, KV cache and buffers
+    # (vLLM's gpu_memory_utilization; the runtime passes it on GPUs); planned from the cache's peak
+    # demand, or pinned (ROLE.generate.gpu_memory_utilization); 0: not a generation phase
+    gpu_memory_utilization: float = Field(0.0, ge=0, le=1)
+    gpu_memory_utilization_pinned: bool = False
 
 
 class RolePlan(BaseModel):

@@ -79,6 +79,15 @@ def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
                 raise VerificationError(f"{where}: memory categories sum to {pp.memory.total:.3f}, not {pp.memory_gb_per_device}")
             if pp.memory_gb_per_device > pp.capacity_gb + 1e-3:
                 raise VerificationError(f"{where}: needs {pp.memory_gb_per_device:.1f} GB of {pp.capacity_gb:.1f} GB per device")
+            if pp.gpu_memory_utilization > 0:
+                own = pp.memory.total - pp.memory.other_roles  # what the engine itself holds
+                if ph != "generate":
+                    raise VerificationError(f"{where}: only a generation phase has a gpu_memory_utilization")
+                if pp.gpu_memory_utilization_pinned and own > pp.gpu_memory_utilization * pp.capacity_gb + 1e-2:
+                    raise VerificationError(
+                        f"{where}: its engine holds {own:.1f} GB per device, over its gpu_memory_utilization "
+                        f"{pp.gpu_memory_utilization:g} of {pp.capacity_gb:.1f} GB"
+                    )
             if pp.time_s < 0:
                 raise VerificationError(f"{where}: negative time")
     for r in plan.reshards:

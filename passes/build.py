@@ -17,12 +17,22 @@ import numpy as np
 from flowc.errors import PlanError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP, Op
-from flowc.ir.plan import Layout, Memory, PhasePlan, PoolPlan, Predicted, ReshardPlan, RolePlan, ScheduleEntry
+from flowc.ir.plan import (
+    STATIC_BATCH_BACKENDS,
+    Layout,
+    Memory,
+    PhasePlan,
+    PoolPlan,
+    Predicted,
+    ReshardPlan,
+    RolePlan,
+    ScheduleEntry,
+)
 from flowc.passes.costs import MemoryGB, PhaseCost
 from flowc.passes.devices import assign_devices, node_count, ranges
 from flowc.passes.flops import forward_flops, useful_train_flops
 from flowc.passes.manager import PlanContext
-from flowc.passes.pools import PoolChoice
+from flowc.passes.pools import MAX_UTILIZATION, MIN_UTILIZATION, PoolChoice
 from flowc.passes.reshard import lower_bound_bytes
 from flowc.passes.schedule import OpSpec, SyncSpec, simulate
 from flowc.passes.search import Candidate, cross_pool_sync
@@ -146,7 +156,7 @@ def phases(ctx: PlanContext, pl: Placement) -> tuple[dict[str, dict[str, PhasePl
                 for phase, p in _model_phases(unit, choice, name, devs, cap).items():
                     roles.setdefault(unit.role, {})[phase] = p
             if u in choice.gens:
-                roles.setdefault(unit.role, {})["generate"] = _generate_phase(choice, u, name, devs, cap)
+                roles.setdefault(unit.role, {})["generate"] = _generate_phase(choice, u, name, devs, cap, ctx.options.hw.kind)
         pools.append(
             PoolPlan(
                 name=name,
@@ -180,7 +190,7 @@ def _model_phases(unit: Unit, choice: PoolChoice, pool: str, devs: str, cap: flo
     return out
 
 
-def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float) -> PhasePlan:
+def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float, kind: str) -> PhasePlan:
     gc = choice.gens[u]
     items = list(gc.op_costs.items())
     mem = max((c.memory for _, c in items), key=lambda m: m.total)
@@ -192,7 +202,18 @@ def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float
         other -= max(gc.shard_gb - gc.weights_gb, 0.0)
     plan_mem = _plan_mem(replace(mem, weights=max(gc.shard_gb, gc.weights_gb)), other)
     ph = _phase(pool, choice.devices, devs, gc.layout, plan_mem, cap, items, max(c.waves for _, c in items), 0.0)
-    return ph.model_copy(update={"sleeps_colocated": gc.swapped})
+    pinned = gc.pinned_utilization
+    own = plan_mem.total - plan_mem.other_roles  # what the engine itself holds: its weights, cache and buffers
+    paged = gc.layout.backend not in STATIC_BATCH_BACKENDS and kind == "gpu"  # vLLM on GPUs takes a share of the device
+    planned = round(min(MAX_UTILIZATION, max(MIN_UTILIZATION, own / cap)), 3) if cap > 0 and paged else 0.0
+    util = pinned if pinned is not None else planned
+    return ph.model_copy(
+        update={
+            "sleeps_colocated": gc.swapped,
+            "gpu_memory_utilization": util,
+            "gpu_memory_utilization_pinned": pinned is not None,
+        }
+    )
 
 
 def _plan_mem(m: MemoryGB, other: float) -> Memory:

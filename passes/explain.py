@@ -5,7 +5,7 @@ canned."""
 from __future__ import annotations
 
 from flowc.ir.graph import FlowGraph
-from flowc.ir.plan import Alternative
+from flowc.ir.plan import Alternative, PhasePlan
 from flowc.passes.costs import PhaseCost
 from flowc.passes.generation_costs import generate_cost
 from flowc.passes.manager import PlanContext
@@ -149,6 +149,14 @@ def _batching(costs: list[PhaseCost]) -> str:
     return out
 
 
+def _utilization(gp: PhasePlan) -> str:
+    """``; gpu_memory_utilization 0.62 (planned: …)``: the share of each device the engine takes."""
+    if not gp.gpu_memory_utilization:
+        return ""  # no share of a device to give: the HF loop, or vLLM on CPUs (given its cache in bytes)
+    how = "pinned" if gp.gpu_memory_utilization_pinned else "planned: its weights, the cache's peak and buffers"
+    return f"; gpu_memory_utilization {gp.gpu_memory_utilization:.3g} ({how})"
+
+
 def rollout_backend_line(table: OptionTable, unit: str, g: GenChoice) -> str | None:
     """Why ``unit`` generates with its backend: its predicted time against each other rollout
     backend on the same layout and memory (None when only one backend was offered)."""
@@ -235,9 +243,11 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
             unit = table.units[u]
             if unit.generates:
                 g = ch.gens[u]
+                gp = plan_body["roles"][unit.role].phases["generate"]
                 lines.append(
                     f"{u}: {g.layout.short()} — {g.layout.dp} replicas, {g.free_gb:.1f} GB per device left for the KV cache"
                     + _batching(list(g.op_costs.values()))
+                    + _utilization(gp)
                     + (f"; weights reach it by {g.reshard.method} in {g.reshard.time:.2f} s" if g.reshard else "")
                     + (
                         f"; the co-located state ({ch.resident_gb:.1f} GB per device) sleeps in host memory while it generates (+{g.swap_s:.1f} s)"

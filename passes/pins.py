@@ -1,7 +1,7 @@
 """Pins: the parts of a plan a user fixes; the search fills in the rest.
 
 From the command line, ``--pin ROLE.PHASE.FIELD=VALUE`` (``actor.generate.tp=2``,
-``critic.train.backend=megatron``, ``ref.forward.devices=8``),
+``critic.train.backend=megatron``, ``ref.forward.devices=8``, ``actor.generate.gpu_memory_utilization=0.6``),
 ``--pin colocate=actor,critic;ref,rm`` (which roles share devices; a policy's
 generation is ``actor.gen`` when it should get its own devices) and
 ``--pin reshard.actor=p2p``. Or a YAML plan fragment::
@@ -23,10 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flowc.errors import SpecError
 from flowc.ir.plan import PHASES, Backend, Layout, Plan, ReshardMethod
+
+#: pin fields that are not :class:`Layout` fields (the search does not enumerate them)
+NOT_LAYOUT = ("devices", "gpu_memory_utilization")
 
 
 class PhasePin(BaseModel):
@@ -46,9 +49,12 @@ class PhasePin(BaseModel):
     micro_batch: int | None = Field(None, ge=1)
     micro_tokens: int | None = Field(None, ge=0)
     devices: int | None = Field(None, ge=1)
+    # generate only: the share of each device the engine may take (vLLM's gpu_memory_utilization:
+    # its weights, KV cache and buffers); None: planned from the cache's peak demand
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
 
     def layout_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if v is not None and k != "devices"}
+        return {k: v for k, v in self.model_dump().items() if v is not None and k not in NOT_LAYOUT}
 
     def allows(self, lay: Layout) -> bool:
         return all(getattr(lay, k) == v for k, v in self.layout_fields().items())
@@ -82,6 +88,17 @@ class Pins(BaseModel):
     # Set by the runtime: whether the co-located training state may sleep in host
     # memory while a generation engine on the same devices runs (the runtime does not move it yet).
     sleep_colocated: bool = True
+
+    @model_validator(mode="after")
+    def _utilization_on_generate(self) -> Pins:
+        for role, phases in self.roles.items():
+            for phase, pin in phases.items():
+                if pin.gpu_memory_utilization is not None and phase != "generate":
+                    raise ValueError(
+                        f"{role}.{phase}.gpu_memory_utilization: only a generation engine has one "
+                        f"(pin {role}.generate.gpu_memory_utilization)"
+                    )
+        return self
 
     def phase(self, role: str, phase: str) -> PhasePin:
         return self.roles.get(role, {}).get(phase, PhasePin())
@@ -148,10 +165,12 @@ def _value(raw: str) -> Any:
         return True
     if low in ("false", "no", "off"):
         return False
-    try:
-        return int(raw)
-    except ValueError:
-        return raw.strip()
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw.strip()
 
 
 def parse_pin(text: str) -> Pins:
@@ -169,7 +188,7 @@ def parse_pin(text: str) -> Pins:
         try:
             return Pins(reshard={parts[1]: raw})
         except ValidationError as e:
-            raise SpecError(f"pin {text!r}: {e.errors()[0]['msg']}") from e
+            raise SpecError(f"pin {text!r}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from e
     if len(parts) != 3:
         raise SpecError(
             f"pin {text!r} is not ROLE.PHASE.FIELD=VALUE",
@@ -187,7 +206,7 @@ def parse_pin(text: str) -> Pins:
     try:
         return Pins(roles={role: {phase: PhasePin(**{field: _value(raw)})}})
     except ValidationError as e:
-        raise SpecError(f"pin {text!r}: {e.errors()[0]['msg']}") from e
+        raise SpecError(f"pin {text!r}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from e
 
 
 def load_pins_yaml(path: str | Path) -> Pins:
@@ -219,7 +238,8 @@ def pins_from_plan(plan: Plan) -> Pins:
             fields = pp.layout.model_dump()
             if fields["micro_tokens"]:  # a budget: its rows follow from the workload it is re-planned for
                 fields["micro_batch"] = None
-            roles.setdefault(name, {})[ph] = PhasePin(**fields, devices=pp.device_count)
+            util = pp.gpu_memory_utilization if pp.gpu_memory_utilization_pinned else None
+            roles.setdefault(name, {})[ph] = PhasePin(**fields, devices=pp.device_count, gpu_memory_utilization=util)
     colocate = [list(p.units) for p in plan.pools]
     reshard = {r.role: r.method for r in plan.reshards if r.dst_phase == "generate"}
     return Pins(roles=roles, colocate=colocate, reshard=reshard)

@@ -20,13 +20,18 @@ from functools import cache
 
 import numpy as np
 
-from flowc.ir.plan import Layout
+from flowc.ir.plan import STATIC_BATCH_BACKENDS, Layout
 from flowc.passes.costs import GB, PhaseCost
 from flowc.passes.generation_costs import generate_cost, generation_weights_gb
 from flowc.passes.options import OptionTable, UnitOption, tp_refusal
 from flowc.passes.reshard import ReshardCost, sync_cost
 
 MAX_COMBOS_KEPT = 12
+
+
+#: the range a planned ``gpu_memory_utilization`` is kept in (vLLM takes a share in (0, 1] and
+#: needs some of the device for itself: an engine is never planned more than the upper bound)
+MIN_UTILIZATION, MAX_UTILIZATION = 0.05, 0.95
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class GenChoice:
     swapped: bool = False  # co-located resident state moved to host memory while generating
     swap_s: float = 0.0  # time of that round trip (inside the first generate op)
     shard_gb: float = 0.0  # the engine's whole weight shard (what it reads, held or shared)
+    pinned_utilization: float | None = None  # the pinned share of each device the engine may take
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,15 @@ class PoolTable:
             if pc is not None:
                 results.extend(pc)
         if not results:
-            return _infeasible(units, d, f"no memory left for the KV cache of {', '.join(gens)} on {d} devices")
+            why = f"no memory left for the KV cache of {', '.join(gens)} on {d} devices"
+            for g in gens:
+                util = t.pins.phase(t.units[g].role, "generate").gpu_memory_utilization
+                if util is not None:
+                    why += (
+                        f" ({g}: the pinned gpu_memory_utilization={util:g} gives its engine {util * self.cap:.1f} GB"
+                        f" of {self.cap:.1f} GB per device, for its weights, buffers and at least one sequence's cache)"
+                    )
+            return _infeasible(units, d, why)
         results.sort(key=lambda p: (p.busy, p.resident_gb))
         top = results[0]
         alts = [(_describe(p), p.busy) for p in results[1:6]]
@@ -187,6 +201,7 @@ class PoolTable:
                     rs = None
                     extra = generation_weights_gb(m, lay)
                 host_used = sum(o.host_gb for o in chosen.values())
+                util = t.pins.phase(u.role, "generate").gpu_memory_utilization
                 swap_ok = t.pins.sleep_colocated and resident > 0 and host_used + resident <= t.hw.host_per_device_gb + 1e-9
                 shard = generation_weights_gb(m, lay)
                 for swapped in (False, True) if swap_ok else (False,):
@@ -195,6 +210,10 @@ class PoolTable:
                     # shard on the device (taken before the state sleeps)
                     held = max(shard, extra) if swapped else extra
                     free = self.cap - held - (0.0 if swapped else resident)
+                    paged = t.hw.kind == "gpu" and lay.backend not in STATIC_BATCH_BACKENDS  # vLLM takes a share of the device
+                    share = util if util is not None else MAX_UTILIZATION if paged else None
+                    if share is not None:  # the engine's weights, cache and buffers within its share of the device
+                        free = min(free, share * self.cap - shard)
                     copy_s = (held - extra) * GB / t.hw.hbm if swapped else 0.0
                     swap_s = 2.0 * resident * GB / t.hw.host + copy_s if swapped else 0.0
                     costs: dict[str, PhaseCost] = {}
@@ -206,7 +225,7 @@ class PoolTable:
                             c = replace(c, time=c.time + swap_s, detail={**c.detail, "swap": swap_s})
                         costs[op] = c
                     if len(costs) == len(u.ops):
-                        options.append(GenChoice(g, lay, costs, rs, held, free, swapped, swap_s, shard))
+                        options.append(GenChoice(g, lay, costs, rs, held, free, swapped, swap_s, shard, util))
             if not options:
                 return None
             options.sort(key=lambda c: sum(x.time for x in c.op_costs.values()) + (c.reshard.time if c.reshard else 0.0))

@@ -245,10 +245,13 @@ def lower(plan: Plan, *, here: bool = True) -> Program:
 
 
 def _memory_fraction(pp: PhasePlan, phase: str) -> float:
-    """The share of each device a generate phase's engine may take: what the plan
-    gives its weights, KV cache and buffers (not the co-located roles' state)."""
+    """The share of each device a generate phase's engine may take: the plan's
+    ``gpu_memory_utilization`` (planned or pinned); for a plan saved before it had one,
+    what it gives the engine's weights, KV cache and buffers (not the co-located roles' state)."""
     if phase != "generate" or pp.capacity_gb <= 0:
         return 0.0
+    if pp.gpu_memory_utilization > 0:
+        return pp.gpu_memory_utilization
     own = pp.memory.total - pp.memory.other_roles
     return round(min(0.95, max(0.05, own / pp.capacity_gb)), 3)
 

@@ -118,6 +118,32 @@ def test_pin_errors_name_the_problem():
     assert "pins" in info.value.fix
 
 
+def test_a_pinned_gpu_memory_utilization_bounds_the_engine_and_its_cache():
+    w = WorkloadSpec(prompts=64, response_len=2048, mean_response_len=600)
+    free, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", workload=w)
+    gp = free.phase("actor", "generate")
+    assert not gp.gpu_memory_utilization_pinned and gp.memory.kv_cache > 0
+    # planned: the engine's weights, the cache's peak and buffers, as a share of the device
+    own = gp.memory.total - gp.memory.other_roles
+    assert gp.gpu_memory_utilization == pytest.approx(own / gp.capacity_gb, abs=1e-3)
+    assert any("gpu_memory_utilization" in line and "(planned" in line for line in free.why)
+    # pinned below that: the engine, cache included, stays within the share, and the cache runs out
+    util = round(0.8 * gp.gpu_memory_utilization, 3)
+    pinned, _, _ = plan_of(
+        "grpo", "qwen2.5-7b", "1x8xH100", workload=w, pins=parse_pins([f"actor.generate.gpu_memory_utilization={util}"])
+    )
+    pp = pinned.phase("actor", "generate")
+    assert pp.gpu_memory_utilization == util and pp.gpu_memory_utilization_pinned
+    assert pp.memory.total - pp.memory.other_roles <= util * pp.capacity_gb + 1e-6
+    assert pp.time_s > gp.time_s and any("(pinned)" in line and "preemptions" in line for line in pinned.why)
+    with pytest.raises(InfeasibleError, match=r"the pinned gpu_memory_utilization=0.02 gives its engine 1.5 GB of 76.0 GB"):
+        plan_of("grpo", "qwen2.5-7b", "1x8xH100", workload=w, pins=parse_pins(["actor.generate.gpu_memory_utilization=0.02"]))
+    with pytest.raises(SpecError, match="only a generation engine has one"):
+        parse_pin("actor.train.gpu_memory_utilization=0.5")
+    with pytest.raises(SpecError, match="less than or equal to 1"):
+        parse_pin("actor.generate.gpu_memory_utilization=1.5")
+
+
 def test_yaml_fragment_pins(tmp_path):
     f = tmp_path / "pins.yaml"
     f.write_text("roles:\n  actor:\n    generate: {tp: 4}\ncolocate: [[actor.train, ref], [actor.gen]]\n")

@@ -184,9 +184,24 @@ def test_a_rollout_engine_gets_the_plans_share_of_the_device():
     ge = plan.phase("actor", "generate")
     (rollout,) = [e for g in prog.groups for e in g.engines if e.key.kind == "rollout"]
     own = ge.memory.total - ge.memory.other_roles
-    assert 0.05 <= rollout.memory_fraction <= 0.95
+    assert 0.05 <= rollout.memory_fraction <= 0.95 and not ge.gpu_memory_utilization_pinned
+    assert rollout.memory_fraction == ge.gpu_memory_utilization  # the plan's, as the runtime passes it to vLLM
     assert rollout.memory_fraction == pytest.approx(min(0.95, max(0.05, own / ge.capacity_gb)), abs=1e-3)
     assert all(e.memory_fraction == 0.0 for g in prog.groups for e in g.engines if e.key.kind != "rollout")
+    # pinned, the engine gets the pinned share, and a re-plan from the saved plan keeps the pin
+    _, pinned, _ = planned("grpo", "1x8xH100", pins=parse_pins(["actor.generate.gpu_memory_utilization=0.4"]))
+    gp = pinned.phase("actor", "generate")
+    assert gp.gpu_memory_utilization == 0.4 and gp.gpu_memory_utilization_pinned
+    assert [e.memory_fraction for g in lower(pinned).groups for e in g.engines if e.key.kind == "rollout"] == [0.4]
+    assert pins_from_plan(pinned).phase("actor", "generate").gpu_memory_utilization == 0.4
+    assert pins_from_plan(plan).phase("actor", "generate").gpu_memory_utilization is None  # planned: re-planned
+    # a plan saved before it had the field: the share is what the plan gives the engine
+    old = Plan.model_validate(json.loads(plan.model_dump_json()))
+    body = old.model_dump()
+    body["roles"]["actor"]["phases"]["generate"].pop("gpu_memory_utilization")
+    body["roles"]["actor"]["phases"]["generate"].pop("gpu_memory_utilization_pinned")
+    (legacy,) = [e for g in lower(Plan.model_validate(body)).groups for e in g.engines if e.key.kind == "rollout"]
+    assert legacy.memory_fraction == rollout.memory_fraction
 
 
 def test_a_plan_for_a_remote_cluster_lowers_without_its_backends_installed_here(monkeypatch):
