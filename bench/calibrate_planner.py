@@ -15,6 +15,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowc.errors import FlowcError
 from flowc.ir import hardware
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.models import ModelSpec
@@ -80,16 +81,30 @@ def fit_train() -> float:
 
 
 def deepseek_671b() -> tuple[float, float, float]:
-    g = load_flow(str(EXAMPLES / "grpo.py")).trace(n=16)
+    """verl's DeepSeek-671B GRPO benchmark (docs/perf/dpsk.md) with its published layout pinned."""
+    g = load_flow(str(EXAMPLES / "grpo.py")).trace(n=8)
     m = ModelSpec.resolve("deepseek-v3")
-    w = WorkloadSpec(prompts=128, prompt_len=512, response_len=4096, mean_response_len=1960, mini_batches=1)
-    pins = parse_pins(["actor.train.backend=megatron", "actor.train.tp=8", "actor.train.pp=12", "actor.train.ep=8"])
-    plan, _, _ = make_plan(g, {"actor": m, "ref": m}, ClusterSpec.parse("12x8xH800"), w, pins)
+    w = WorkloadSpec(prompts=96, prompt_len=2048, response_len=8192, mean_response_len=1960, mini_batches=3)
+    pins = parse_pins(
+        [
+            "actor.train.backend=megatron",
+            "actor.train.tp=8",
+            "actor.train.pp=12",
+            "actor.train.ep=8",
+            "actor.generate.tp=32",
+            "colocate=actor.train,actor.gen,ref",
+        ]
+    )
+    plan, _, _ = make_plan(g, {"actor": m, "ref": m}, ClusterSpec.parse("12x8xH20"), w, pins)
     gen = sum(e.end_s - e.start_s for e in plan.schedule if e.phase == "generate")
     return plan.predicted.step_time_s, gen, plan.roles["actor"].phases["train"].mfu
 
 
-DS_ASSUMED = "GRPO n=16, 128 prompts, prompt 512, response ≤ 4096 (mean 1960), H800, training pinned to TP8/PP12/EP8"
+DS_ASSUMED = (
+    "verl docs/perf/dpsk.md and its script run_deepseek671b_math_megatron_96gb.sh: GRPO n=8, 96 prompts, prompt ≤ 2048, "
+    "response ≤ 8192 (the script's 1204*8 read as 1024*8; mean 1960), 3 updates/step, 12×8 H20, "
+    "megatron tp8 pp12 ep8 and vllm tp32 pinned, co-located"
+)
 
 
 def hybridflow_70b() -> tuple[float, float, float, float]:
@@ -128,7 +143,7 @@ def rows(fitted: float) -> list[Row]:
     ]
     step, gen, mfu = deepseek_671b()
     out += [
-        Row("DeepSeek-671B GRPO step, 96 GPUs", 1700, step, "s", DS_ASSUMED),
+        Row("DeepSeek-671B GRPO step, 96 H20", 1700, step, "s", DS_ASSUMED),
         Row("DeepSeek-671B rollout time", 1050, gen, "s", DS_ASSUMED),
         Row("DeepSeek-671B MFU", 0.19, mfu, "", DS_ASSUMED + " (MFU of the actor update)"),
     ]
@@ -156,6 +171,142 @@ def rows(fitted: float) -> list[Row]:
     return out
 
 
+@dataclass
+class Published:
+    """A published configuration: its batch shape, layout and measured step time.
+
+    ``pins`` is the published layout as ``--pin`` words; ``assumed`` says what the source leaves
+    out and this row fills in."""
+
+    name: str
+    source: str
+    model: str
+    cluster: str
+    n: int
+    workload: WorkloadSpec
+    pins: tuple[str, ...]
+    step_s: float
+    layout: str
+    assumed: str = ""
+
+
+NEMO = "NeMo-RL v0.6 performance summary (H100 BF16, on-policy; docs.nvidia.com/nemo/rl/0.6.0/about/performance-summary.html)"
+NEMO5 = "NeMo-RL v0.5 performance summary (H100 BF16, on-policy)"
+NEMO_ASSUMED = "prompt 256 of the max sequence (not published); mean response = published mean sequence − 256"
+
+
+def _nemo(max_seq: int, avg_seq: int, prompts: int, n: int, train_gbs: int = 512) -> tuple[WorkloadSpec, int]:
+    prompt = 256
+    return (
+        WorkloadSpec(
+            prompts=prompts,
+            prompt_len=prompt,
+            response_len=max_seq - prompt,
+            mean_response_len=avg_seq - prompt,
+            mini_batches=max(1, prompts * n // train_gbs),
+        ),
+        n,
+    )
+
+
+def _megatron(tp: int, cp: int, ep: int, pp: int, gen_tp: int) -> tuple[str, ...]:
+    """NeMo-RL's Megatron layout ``[TP, CP, EP, PP]``, vLLM ``TP``, everything on the same devices."""
+    return (
+        "actor.train.backend=megatron",
+        f"actor.train.tp={tp}",
+        f"actor.train.cp={cp}",
+        f"actor.train.ep={ep}",
+        f"actor.train.pp={pp}",
+        f"actor.generate.tp={gen_tp}",
+        "colocate=actor.train,actor.gen,ref",
+    )
+
+
+def published_configs() -> list[Published]:
+    out = []
+    for gpus, avg, step in ((256, 701, 134.0), (512, 697, 111.0)):
+        w, n = _nemo(1536, avg, 32, 16)
+        out.append(
+            Published(
+                f"DeepSeek-V3 GRPO, {gpus} H100", NEMO, "deepseek-v3", f"{gpus // 8}x8xH100", n, w,
+                _megatron(1, 1, 16, 16, 32), step, "megatron tp1 cp1 ep16 pp16, vllm tp32", NEMO_ASSUMED,
+            )
+        )  # fmt: skip
+    for gpus, avg, step in ((128, 5698, 395.0), (256, 5713, 312.0)):
+        w, n = _nemo(8192, avg, 16, 32)
+        out.append(
+            Published(
+                f"Qwen3-235B-A22B GRPO, {gpus} H100", NEMO, "qwen3-235b-a22b", f"{gpus // 8}x8xH100", n, w,
+                _megatron(2, 2, 16, 8, 16), step, "megatron tp2 cp2 ep16 pp8, vllm tp16", NEMO_ASSUMED,
+            )
+        )  # fmt: skip
+    w, n = _nemo(4096, 3203, 64, 32)
+    out.append(
+        Published(
+            "Qwen3-30B-A3B GRPO, 32 H100", NEMO, "qwen3-30b-a3b", "4x8xH100", n, w,
+            _megatron(1, 1, 8, 1, 2), 192.0, "megatron tp1 cp1 ep8 pp1, vllm tp2", NEMO_ASSUMED,
+        )
+    )  # fmt: skip
+    w, n = _nemo(4096, 3251, 64, 32)
+    out.append(
+        Published(
+            "Qwen3-32B GRPO, 32 H100", NEMO5, "qwen3-32b", "4x8xH100", n, w,
+            _megatron(4, 1, 1, 4, 4), 376.0, "megatron tp4 cp1 ep1 pp4, vllm tp4", NEMO_ASSUMED,
+        )
+    )  # fmt: skip
+    w, n = _nemo(4096, 1019, 64, 32)
+    out.append(
+        Published(
+            "Llama-3.1-8B GRPO, 16 H100", NEMO5, "llama-3.1-8b", "2x8xH100", n, w,
+            _megatron(1, 1, 1, 2, 1), 92.8, "megatron tp1 pp2, vllm tp1", NEMO_ASSUMED,
+        )
+    )  # fmt: skip
+    return out
+
+
+def plan_published(c: Published, pinned: bool) -> tuple[float | None, str]:
+    """(predicted step seconds, the plan's layout or why it was refused)."""
+    g = load_flow(str(EXAMPLES / "grpo.py")).trace(n=c.n)
+    m = ModelSpec.resolve(c.model)
+    pins = parse_pins(list(c.pins)) if pinned else None
+    try:
+        plan, _, _ = make_plan(g, {"actor": m, "ref": m}, ClusterSpec.parse(c.cluster), c.workload, pins)
+    except FlowcError as e:
+        return None, f"refused: {e.what}"
+    tr, ge = plan.roles["actor"].phases["train"], plan.roles["actor"].phases["generate"]
+    lay = f"{tr.layout.backend} {tr.layout.short()}, {ge.layout.backend} {ge.layout.short()}"
+    return plan.predicted.step_time_s, lay
+
+
+def _against(x: float | None, published: float) -> tuple[str, str]:
+    return ("—", "—") if x is None else (f"{x:.1f} s", f"{x / published:.2f}")
+
+
+def published_table(configs: list[Published]) -> str:
+    lines = [
+        "| configuration | published step | published layout pinned | ratio | planner's own plan | ratio | its layout |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in configs:
+        pin_s, pin_lay = plan_published(c, True)
+        own_s, own_lay = plan_published(c, False)
+
+        (ps, pr), (os_, or_) = _against(pin_s, c.step_s), _against(own_s, c.step_s)
+        shown = pin_lay if pin_s is None else own_lay
+        lines.append(f"| {c.name} | {c.step_s:.1f} s | {ps} | {pr} | {os_} | {or_} | {shown} |")
+    return "\n".join(lines)
+
+
+def sources(configs: list[Published]) -> str:
+    return "\n".join(
+        f"* **{c.name}**: {c.source}; n={c.n}, {c.workload.prompts} prompts, prompt ≤ {c.workload.prompt_len}, "
+        f"response ≤ {c.workload.response_len} (mean {c.workload.mean_response_len:g}), "
+        f"{c.workload.mini_batches} update(s)/step; published layout {c.layout}"
+        + (f"; assumed: {c.assumed}" if c.assumed else "")
+        for c in configs
+    )
+
+
 def table(rs: list[Row]) -> str:
     lines = ["| figure | published | predicted | error | use | assumptions |", "|---|---:|---:|---:|---|---|"]
     for r in rs:
@@ -175,3 +326,8 @@ if __name__ == "__main__":
     if args.fit:
         print(f"fitted train = {value} (profiles have {current})")
     print(table(rows(value)))
+    configs = published_configs()
+    print()
+    print(published_table(configs))
+    print()
+    print(sources(configs))

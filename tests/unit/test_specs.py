@@ -26,6 +26,8 @@ PUBLISHED = {
     "llama-3.1-405b": (405.0, None),
     "mixtral-8x7b": (46.7, 12.9),
     "qwen3-30b-a3b": (30.5, 3.3),
+    "qwen3-32b": (32.8, None),
+    "qwen3-235b-a22b": (235.0, 22.0),
     "deepseek-v3": (671.0, 37.0),
 }
 
