@@ -195,17 +195,16 @@ NEMO5 = "NeMo-RL v0.5 performance summary (H100 BF16, on-policy)"
 NEMO_ASSUMED = "prompt 256 of the max sequence (not published); mean response = published mean sequence − 256"
 
 
-def _nemo(max_seq: int, avg_seq: int, prompts: int, n: int, train_gbs: int = 512) -> tuple[WorkloadSpec, int]:
+def _nemo(max_seq: int, avg_seq: int, prompts: int, n: int, train_gbs: int = 512) -> WorkloadSpec:
+    """NeMo-RL's batch shape: sequences of at most ``max_seq`` (prompt and response) averaging
+    ``avg_seq``, ``prompts × n`` samples trained in global batches of ``train_gbs``."""
     prompt = 256
-    return (
-        WorkloadSpec(
-            prompts=prompts,
-            prompt_len=prompt,
-            response_len=max_seq - prompt,
-            mean_response_len=avg_seq - prompt,
-            mini_batches=max(1, prompts * n // train_gbs),
-        ),
-        n,
+    return WorkloadSpec(
+        prompts=prompts,
+        prompt_len=prompt,
+        response_len=max_seq - prompt,
+        mean_response_len=avg_seq - prompt,
+        mini_batches=max(1, prompts * n // train_gbs),
     )
 
 
@@ -222,45 +221,27 @@ def _megatron(tp: int, cp: int, ep: int, pp: int, gen_tp: int) -> tuple[str, ...
     )
 
 
+#: NeMo-RL's published rows: (model, release, GPUs, max sequence, mean sequence, prompts, samples per
+#: prompt, Megatron [TP, CP, EP, PP], vLLM TP, step seconds)
+NEMO_ROWS = (
+    ("deepseek-v3", NEMO, 256, 1536, 701, 32, 16, (1, 1, 16, 16), 32, 134.0),
+    ("deepseek-v3", NEMO, 512, 1536, 697, 32, 16, (1, 1, 16, 16), 32, 111.0),
+    ("qwen3-235b-a22b", NEMO, 128, 8192, 5698, 16, 32, (2, 2, 16, 8), 16, 395.0),
+    ("qwen3-235b-a22b", NEMO, 256, 8192, 5713, 16, 32, (2, 2, 16, 8), 16, 312.0),
+    ("qwen3-30b-a3b", NEMO, 32, 4096, 3203, 64, 32, (1, 1, 8, 1), 2, 192.0),
+    ("qwen3-32b", NEMO5, 32, 4096, 3251, 64, 32, (4, 1, 1, 4), 4, 376.0),
+    ("llama-3.1-8b", NEMO5, 16, 4096, 1019, 64, 32, (1, 1, 1, 2), 1, 92.8),
+)
+
+
 def published_configs() -> list[Published]:
     out = []
-    for gpus, avg, step in ((256, 701, 134.0), (512, 697, 111.0)):
-        w, n = _nemo(1536, avg, 32, 16)
-        out.append(
-            Published(
-                f"DeepSeek-V3 GRPO, {gpus} H100", NEMO, "deepseek-v3", f"{gpus // 8}x8xH100", n, w,
-                _megatron(1, 1, 16, 16, 32), step, "megatron tp1 cp1 ep16 pp16, vllm tp32", NEMO_ASSUMED,
-            )
-        )  # fmt: skip
-    for gpus, avg, step in ((128, 5698, 395.0), (256, 5713, 312.0)):
-        w, n = _nemo(8192, avg, 16, 32)
-        out.append(
-            Published(
-                f"Qwen3-235B-A22B GRPO, {gpus} H100", NEMO, "qwen3-235b-a22b", f"{gpus // 8}x8xH100", n, w,
-                _megatron(2, 2, 16, 8, 16), step, "megatron tp2 cp2 ep16 pp8, vllm tp16", NEMO_ASSUMED,
-            )
-        )  # fmt: skip
-    w, n = _nemo(4096, 3203, 64, 32)
-    out.append(
-        Published(
-            "Qwen3-30B-A3B GRPO, 32 H100", NEMO, "qwen3-30b-a3b", "4x8xH100", n, w,
-            _megatron(1, 1, 8, 1, 2), 192.0, "megatron tp1 cp1 ep8 pp1, vllm tp2", NEMO_ASSUMED,
-        )
-    )  # fmt: skip
-    w, n = _nemo(4096, 3251, 64, 32)
-    out.append(
-        Published(
-            "Qwen3-32B GRPO, 32 H100", NEMO5, "qwen3-32b", "4x8xH100", n, w,
-            _megatron(4, 1, 1, 4, 4), 376.0, "megatron tp4 cp1 ep1 pp4, vllm tp4", NEMO_ASSUMED,
-        )
-    )  # fmt: skip
-    w, n = _nemo(4096, 1019, 64, 32)
-    out.append(
-        Published(
-            "Llama-3.1-8B GRPO, 16 H100", NEMO5, "llama-3.1-8b", "2x8xH100", n, w,
-            _megatron(1, 1, 1, 2, 1), 92.8, "megatron tp1 pp2, vllm tp1", NEMO_ASSUMED,
-        )
-    )  # fmt: skip
+    for model, source, gpus, max_seq, avg, prompts, n, (tp, cp, ep, pp), gen_tp, step in NEMO_ROWS:
+        w = _nemo(max_seq, avg, prompts, n)
+        name = f"{ModelSpec.resolve(model).hf_id.split('/')[-1]} GRPO, {gpus} H100"
+        layout = f"megatron tp{tp} cp{cp} ep{ep} pp{pp}, vllm tp{gen_tp}"
+        pins = _megatron(tp, cp, ep, pp, gen_tp)
+        out.append(Published(name, source, model, f"{gpus // 8}x8xH100", n, w, pins, step, layout, NEMO_ASSUMED))
     return out
 
 
