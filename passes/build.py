@@ -10,6 +10,7 @@ search's own objects, and a sync between pools is priced by the search's own
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -205,7 +206,8 @@ def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float
     pinned = gc.pinned_utilization
     own = plan_mem.total - plan_mem.other_roles  # what the engine itself holds: its weights, cache and buffers
     paged = gc.layout.backend not in STATIC_BATCH_BACKENDS and kind == "gpu"  # vLLM on GPUs takes a share of the device
-    planned = round(min(MAX_UTILIZATION, max(MIN_UTILIZATION, own / cap)), 3) if cap > 0 and paged else 0.0
+    # rounded up: the engine is never given less than the plan counts for it
+    planned = min(MAX_UTILIZATION, max(MIN_UTILIZATION, math.ceil(own / cap * 1000) / 1000)) if cap > 0 and paged else 0.0
     util = pinned if pinned is not None else planned
     return ph.model_copy(
         update={

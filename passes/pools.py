@@ -160,7 +160,8 @@ class PoolTable:
                 if util is not None:
                     why += (
                         f" ({g}: the pinned gpu_memory_utilization={util:g} gives its engine {util * self.cap:.1f} GB"
-                        f" of {self.cap:.1f} GB per device, for its weights, buffers and at least one sequence's cache)"
+                        f" of {self.cap:.1f} GB per device, for its weights, buffers and at least one sequence's cache,"
+                        " beside the co-located state unless that sleeps in host memory)"
                     )
             return _infeasible(units, d, why)
         results.sort(key=lambda p: (p.busy, p.resident_gb))
@@ -214,6 +215,8 @@ class PoolTable:
                     share = util if util is not None else MAX_UTILIZATION if paged else None
                     if share is not None:  # the engine's weights, cache and buffers within its share of the device
                         free = min(free, share * self.cap - shard)
+                    if util is not None and not swapped and util * self.cap > self.cap - resident - (held - shard) + 1e-9:
+                        continue  # vLLM takes its whole pinned share: it must fit beside the state that stays
                     copy_s = (held - extra) * GB / t.hw.hbm if swapped else 0.0
                     swap_s = 2.0 * resident * GB / t.hw.host + copy_s if swapped else 0.0
                     costs: dict[str, PhaseCost] = {}

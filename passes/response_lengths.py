@@ -23,7 +23,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from flowc.ir.workload import PERCENTILE_SHARES, percentiles_mean
@@ -175,15 +175,18 @@ def continuous_batch(dist: LengthDist, n: int, prompt: float, cap_tokens: float,
     cap = math.exp(math.floor(math.log(max(cap, 1.0)) / 0.02) * 0.02)
     s = _play(dist, m, float(prompt), max(cap, need), int(block), seqs)
     if scale == 1.0:
-        return s
+        return replace(s, peak_tokens=min(s.peak_tokens, cap_tokens))
+    # the representatives' longest is the (m - ½)/m quantile, the batch's the longest of n: the
+    # longest response decodes on alone for the difference (a lower bound on the real tail)
+    extra = max(0.0, dist.expected_max(n) - dist.lengths(m)[-1])
     return Schedule(
-        tuple((steps, running * scale) for steps, running in s.levels),
-        s.steps,
-        s.peak_tokens * scale,
+        ((extra, 1.0),) * (extra > 0) + tuple((steps, running * scale) for steps, running in s.levels),
+        s.steps + extra,
+        min(s.peak_tokens * scale, cap_tokens),
         s.most_running * scale,
         round(s.preempted * scale),
         s.recomputed_tokens * scale,
-        s.tail_steps,
+        s.tail_steps + extra,
     )
 
 

@@ -138,6 +138,25 @@ def test_a_pinned_gpu_memory_utilization_bounds_the_engine_and_its_cache():
     assert pp.time_s > gp.time_s and any("(pinned)" in line and "preemptions" in line for line in pinned.why)
     with pytest.raises(InfeasibleError, match=r"the pinned gpu_memory_utilization=0.02 gives its engine 1.5 GB of 76.0 GB"):
         plan_of("grpo", "qwen2.5-7b", "1x8xH100", workload=w, pins=parse_pins(["actor.generate.gpu_memory_utilization=0.02"]))
+    # vLLM takes its whole pinned share: a share that does not fit beside the state that stays is refused
+    stays = Pins(sleep_colocated=False)  # as flowc run plans: the co-located state stays on the device
+    together = ["colocate=actor.train,actor.gen,ref"]
+    ok, _, _ = plan_of(
+        "grpo",
+        "qwen2.5-7b",
+        "1x8xH100",
+        workload=w,
+        pins=parse_pins([*together, f"actor.generate.gpu_memory_utilization={util}"]).merged(stays),
+    )
+    assert ok.phase("actor", "generate").gpu_memory_utilization == util
+    with pytest.raises(InfeasibleError, match="no co-location fits on 8 devices"):
+        plan_of(
+            "grpo",
+            "qwen2.5-7b",
+            "1x8xH100",
+            workload=w,
+            pins=parse_pins([*together, "actor.generate.gpu_memory_utilization=0.95"]).merged(stays),
+        )
     with pytest.raises(SpecError, match="only a generation engine has one"):
         parse_pin("actor.train.gpu_memory_utilization=0.5")
     with pytest.raises(SpecError, match="less than or equal to 1"):

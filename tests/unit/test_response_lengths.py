@@ -114,3 +114,16 @@ def test_schedule_properties(limit, mean_share, n, prompt, cap_seqs, block, max_
     assert (s.preempted > 0) == (s.recomputed_tokens > 0)
     if max_seqs is None and cap >= 1.03 * n * (prompt + limit + block):  # the whole batch fits at its peak
         assert s.preempted == 0 and s.most_running == pytest.approx(n)
+
+
+def test_a_scaled_schedule_keeps_the_long_tail_of_all_its_requests():
+    """4096 requests played as 512 representatives: the longest of 4096 still ends the batch (the
+    representatives alone would end it at their own longest, a quarter of the steps earlier)."""
+    from flowc.passes.response_lengths import _play
+
+    d = LengthDist.of(16384, 500)
+    scaled = continuous_batch(d, 4096, 512, 1e12, 16, 1024)
+    exact = _play(d, 4096, 512.0, 1e12, 16, 1024)
+    assert scaled.steps == pytest.approx(exact.steps, rel=0.15)
+    assert scaled.tail_steps == pytest.approx(exact.tail_steps, rel=0.2)
+    assert scaled.steps >= d.expected_max(4096)
