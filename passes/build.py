@@ -19,7 +19,6 @@ from flowc.errors import PlanError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP, Op
 from flowc.ir.plan import (
-    STATIC_BATCH_BACKENDS,
     Layout,
     Memory,
     PhasePlan,
@@ -33,7 +32,7 @@ from flowc.passes.costs import MemoryGB, PhaseCost
 from flowc.passes.devices import assign_devices, node_count, ranges
 from flowc.passes.flops import forward_flops, useful_train_flops
 from flowc.passes.manager import PlanContext
-from flowc.passes.pools import MAX_UTILIZATION, MIN_UTILIZATION, PoolChoice
+from flowc.passes.pools import MAX_UTILIZATION, MIN_UTILIZATION, PoolChoice, takes_device_share
 from flowc.passes.reshard import lower_bound_bytes
 from flowc.passes.schedule import OpSpec, SyncSpec, simulate
 from flowc.passes.search import Candidate, cross_pool_sync
@@ -205,7 +204,7 @@ def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float
     ph = _phase(pool, choice.devices, devs, gc.layout, plan_mem, cap, items, max(c.waves for _, c in items), 0.0)
     pinned = gc.pinned_utilization
     own = plan_mem.total - plan_mem.other_roles  # what the engine itself holds: its weights, cache and buffers
-    paged = gc.layout.backend not in STATIC_BATCH_BACKENDS and kind == "gpu"  # vLLM on GPUs takes a share of the device
+    paged = takes_device_share(gc.layout.backend, kind)
     # rounded up: the engine is never given less than the plan counts for it
     planned = min(MAX_UTILIZATION, max(MIN_UTILIZATION, math.ceil(own / cap * 1000) / 1000)) if cap > 0 and paged else 0.0
     util = pinned if pinned is not None else planned

@@ -34,6 +34,12 @@ MAX_COMBOS_KEPT = 12
 MIN_UTILIZATION, MAX_UTILIZATION = 0.05, 0.95
 
 
+def takes_device_share(backend: str, kind: str) -> bool:
+    """Whether a rollout engine is given a share of each device (vLLM on GPUs); the HF loop
+    allocates as it goes and vLLM on CPUs is given its KV cache in bytes."""
+    return kind == "gpu" and backend not in STATIC_BATCH_BACKENDS
+
+
 @dataclass(frozen=True)
 class GenChoice:
     unit: str
@@ -211,8 +217,7 @@ class PoolTable:
                     # shard on the device (taken before the state sleeps)
                     held = max(shard, extra) if swapped else extra
                     free = self.cap - held - (0.0 if swapped else resident)
-                    paged = t.hw.kind == "gpu" and lay.backend not in STATIC_BATCH_BACKENDS  # vLLM takes a share of the device
-                    share = util if util is not None else MAX_UTILIZATION if paged else None
+                    share = util if util is not None else MAX_UTILIZATION if takes_device_share(lay.backend, t.hw.kind) else None
                     if share is not None:  # the engine's weights, cache and buffers within its share of the device
                         free = min(free, share * self.cap - shard)
                     if util is not None and not swapped and util * self.cap > self.cap - resident - (held - shard) + 1e-9:
