@@ -352,6 +352,15 @@ def run(
             "model's architecture; the only way to run a catalogue name). Same as --set init=….",
         ),
     ] = None,
+    staleness: Annotated[
+        int | None,
+        typer.Option(
+            "--staleness",
+            min=0,
+            help="Weight versions the rollouts may lag the trainer: 0 (default) lock-step, 1 one-step-off, K: the engine "
+            "samples K steps ahead (needs an off-policy correction in the loss; docs/async.md). Same as --set staleness=K.",
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Plan the flow for this cluster and train it; writes runs/<name>/."""
@@ -359,6 +368,8 @@ def run(
 
     if init is not None:
         sets = [*(sets or []), f"init={init}"]
+    if staleness is not None:
+        sets = [*(sets or []), f"staleness={staleness}"]
     req = _run_request(
         file, overrides, model=model, data=data, eval_data=eval_data, reward=reward, cluster=cluster, device=device,
         plan_file=plan_file, workload=workload, steps=steps, out=out, resume=resume, override=override,

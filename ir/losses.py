@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 _AGG_ALIASES = {
@@ -46,6 +46,40 @@ AggMode = Annotated[
 _SPEC = ConfigDict(frozen=True, extra="forbid")
 
 
+class ISCorrection(BaseModel):
+    """An importance-sampling correction of the rollout/trainer mismatch (off-policy data).
+
+    The rollout engine samples from its own policy ``μ`` (its weights, kernels,
+    dtype, or an older weight version); the trainer scores the tokens under
+    ``π_old`` (``old_logprobs``, or the current policy without them). Each
+    token's weight is ``w = π_old/μ`` (``level="sequence"``: one weight per
+    sequence, ``exp(Σ_t log π_old − log μ)``), detached, and multiplies the
+    per-token policy loss:
+
+    ``tis``  truncated importance sampling (Yao et al., 2025): ``min(w, cap)``.
+    ``mis``  masked importance sampling: ``w`` where ``floor ≤ w ≤ cap``, else the
+             token (or the whole sequence) is left out of the loss (weight 0).
+             With a PPO loss whose ``old_logprobs`` are the trainer's own (the
+             proximal policy), this is AReaL's decoupled PPO
+             (:func:`decoupled_ppo`).
+    """
+
+    model_config = _SPEC
+    kind: Literal["tis", "mis"] = "tis"
+    cap: float = Field(2.0, gt=1.0)
+    floor: float | None = Field(None, ge=0.0, lt=1.0)
+    level: Literal["token", "sequence"] = "token"
+
+    @model_validator(mode="after")
+    def _floor_masks(self) -> ISCorrection:
+        if self.floor is not None and self.kind != "mis":
+            raise ValueError("floor= applies to masked importance sampling (fc.losses.mis); truncation has only a cap")
+        return self
+
+    def __str__(self) -> str:
+        return _fmt(self)
+
+
 class PPOClip(BaseModel):
     """Clipped surrogate objective: ``-min(r·A, clip(r, 1-clip, 1+clip_high)·A)``.
 
@@ -62,6 +96,7 @@ class PPOClip(BaseModel):
     dual_clip: float | None = Field(None, gt=1)
     ratio: Literal["token", "sequence"] = "token"
     agg: AggMode = "token-mean"
+    correction: ISCorrection | None = None
 
     @property
     def upper(self) -> float:
@@ -84,11 +119,14 @@ class ValueClip(BaseModel):
 
 
 class PolicyGradient(BaseModel):
-    """Plain policy gradient ``-A·logp`` (REINFORCE) with no ratio or clip."""
+    """Plain policy gradient ``-A·logp`` (REINFORCE) with no ratio or clip. It assumes
+    on-policy samples: with a ``correction`` each token's loss is weighted by
+    ``π/μ`` (truncated or masked; see :class:`ISCorrection`)."""
 
     model_config = _SPEC
     kind: Literal["policy_gradient"] = "policy_gradient"
     agg: AggMode = "token-mean"
+    correction: ISCorrection | None = None
 
     def __str__(self) -> str:
         return _fmt(self)
@@ -116,8 +154,8 @@ class DPO(BaseModel):
 
 
 def _fmt(spec: BaseModel) -> str:
-    defaults = type(spec).model_fields
-    parts = [f"{k}={v}" for k, v in spec.model_dump().items() if k != "kind" and v != defaults[k].default]
+    fields = type(spec).model_fields
+    parts = [f"{k}={getattr(spec, k)}" for k in fields if k != "kind" and getattr(spec, k) != fields[k].default]
     return f"{spec.kind}({', '.join(parts)})"  # type: ignore[attr-defined]
 
 
@@ -167,6 +205,41 @@ def broadcast_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return adv
 
 
+def is_weights(
+    spec: ISCorrection, trainer_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The detached per-token weights ``[N, R]`` of ``spec`` (see :class:`ISCorrection`) for
+    tokens sampled under ``behaviour_logp`` and scored under ``trainer_logp``, and their
+    statistics: ``is_weight`` (the mean weight before truncation or masking) and
+    ``is_cut_frac`` (the fraction of tokens truncated or masked)."""
+    m = mask.bool()
+    log_w = ((trainer_logp - behaviour_logp) * m).detach()
+    if spec.level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+    w = torch.exp(log_w.clamp(-20.0, 20.0))
+    if spec.kind == "tis":
+        cut = w > spec.cap
+        out = w.clamp(max=spec.cap)
+    else:
+        cut = (w > spec.cap) | (w < (spec.floor or 0.0))
+        out = torch.where(cut, torch.zeros_like(w), w)
+    f = m.to(w.dtype)
+    n = f.sum().clamp(min=1)
+    stats = {"is_weight": float((w * f).sum() / n), "is_cut_frac": float(((cut & m).to(w.dtype)).sum() / n)}
+    return out * f, stats
+
+
+def mismatch(trainer_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's policy ``μ`` is from the trainer's ``π`` on the sampled tokens:
+    ``mismatch_kl``, the k3 estimate of KL(μ‖π) (mean of ``ρ − 1 − log ρ``, ``ρ = π/μ``; ≥ 0,
+    0 when they agree), and ``mismatch_abs``, the mean ``|log π − log μ|``."""
+    f = mask.to(torch.float64)
+    d = (trainer_logp.detach().double() - behaviour_logp.double()) * f
+    n = f.sum().clamp(min=1)
+    k3 = (torch.expm1(d.clamp(-20.0, 20.0)) - d).clamp(min=0.0) * f  # ≥ 0; expm1 keeps tiny differences exact
+    return {"mismatch_kl": float(k3.sum() / n), "mismatch_abs": float(d.abs().sum() / n)}
+
+
 def policy_loss(
     spec: BaseModel,
     logp: torch.Tensor,
@@ -176,13 +249,25 @@ def policy_loss(
     *,
     denom: float | None = None,
     max_len: int | None = None,
+    behaviour_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss of ``spec`` and its statistics (clip fraction, ratio)."""
+    """The policy loss of ``spec`` and its statistics (clip fraction, ratio; with a
+    correction, the importance weights'). ``behaviour_logp``: the rollout engine's
+    log-probabilities of the sampled tokens, which a correction weighs against
+    ``old_logp`` (or, without it, the current policy)."""
     adv = broadcast_advantages(adv, mask)
     m = mask.to(logp.dtype)
+    correction = getattr(spec, "correction", None)
+    weight, wstats = None, {}
+    if correction is not None:
+        if behaviour_logp is None:
+            raise ValueError(f"{spec} corrects for the rollout engine's policy but got no rollout log-probabilities")
+        weight, wstats = is_weights(correction, logp.detach() if old_logp is None else old_logp, behaviour_logp, mask)
     if isinstance(spec, PolicyGradient):
         per_tok = -adv * logp
-        return aggregate(per_tok, mask, spec.agg, denom=denom, max_len=max_len), {}
+        if weight is not None:
+            per_tok = per_tok * weight
+        return aggregate(per_tok, mask, spec.agg, denom=denom, max_len=max_len), wstats
     if not isinstance(spec, PPOClip):
         raise TypeError(f"{spec} is not a policy loss")
     old = logp.detach() if old_logp is None else old_logp
@@ -197,10 +282,13 @@ def policy_loss(
     per_tok = -torch.min(surr1, surr2)
     if spec.dual_clip is not None:
         per_tok = torch.where(adv < 0, torch.min(per_tok, -spec.dual_clip * adv), per_tok)
+    if weight is not None:
+        per_tok = per_tok * weight
     clipped = ((surr2 < surr1) & mask.bool()).to(logp.dtype)
     stats = {
         "clip_frac": float((clipped.sum() / m.sum().clamp(min=1)).detach()),
         "ratio_mean": float(((ratio * m).sum() / m.sum().clamp(min=1)).detach()),
+        **wstats,
     }
     return aggregate(per_tok, mask, spec.agg, denom=denom, max_len=max_len), stats
 
@@ -266,9 +354,30 @@ def ppo_clip(
     dual_clip: float | None = None,
     ratio: Literal["token", "sequence"] = "token",
     agg: str = "token-mean",
+    correction: ISCorrection | None = None,
 ) -> PPOClip:
-    """PPO's clipped surrogate (see :class:`PPOClip`)."""
-    return PPOClip(clip=clip, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, agg=agg)  # type: ignore[arg-type]
+    """PPO's clipped surrogate (see :class:`PPOClip`); ``correction``: :func:`tis` or :func:`mis`."""
+    return PPOClip(clip=clip, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, agg=agg, correction=correction)  # type: ignore[arg-type]
+
+
+def tis(cap: float = 2.0, *, level: Literal["token", "sequence"] = "token") -> ISCorrection:
+    """Truncated importance sampling of the rollout/trainer mismatch: each token's loss × ``min(π/μ, cap)``."""
+    return ISCorrection(kind="tis", cap=cap, level=level)
+
+
+def mis(cap: float = 2.0, *, floor: float | None = None, level: Literal["token", "sequence"] = "token") -> ISCorrection:
+    """Masked importance sampling: each token's loss × ``π/μ``, tokens (or sequences) whose weight
+    is above ``cap`` (or below ``floor``) left out of the loss."""
+    return ISCorrection(kind="mis", cap=cap, floor=floor, level=level)
+
+
+def decoupled_ppo(clip: float = 0.2, clip_high: float | None = None, *, cap: float = 5.0, agg: str = "token-mean") -> PPOClip:
+    """AReaL's decoupled PPO (Fu et al., 2025): the clipped ratio is taken against the trainer's
+    own log-probabilities before the update (the proximal policy, ``old_logprobs=`` — required),
+    and each token is weighted by proximal/behaviour ``π_prox/μ`` from the rollout engine's
+    log-probabilities, tokens above ``cap`` masked out. The same as
+    ``ppo_clip(clip, correction=mis(cap))`` with ``old_logprobs`` given."""
+    return ppo_clip(clip, clip_high, agg=agg, correction=mis(cap))
 
 
 def dpo(beta: float = 0.1, *, label_smoothing: float = 0.0) -> DPO:
@@ -281,6 +390,6 @@ def value_clip(clip: float = 0.2, *, agg: str = "token-mean") -> ValueClip:
     return ValueClip(clip=clip, agg=agg)  # type: ignore[arg-type]
 
 
-def policy_gradient(*, agg: str = "token-mean") -> PolicyGradient:
-    """REINFORCE's ``-A·logp`` (see :class:`PolicyGradient`)."""
-    return PolicyGradient(agg=agg)  # type: ignore[arg-type]
+def policy_gradient(*, agg: str = "token-mean", correction: ISCorrection | None = None) -> PolicyGradient:
+    """REINFORCE's ``-A·logp`` (see :class:`PolicyGradient`); ``correction``: :func:`tis` or :func:`mis`."""
+    return PolicyGradient(agg=agg, correction=correction)  # type: ignore[arg-type]

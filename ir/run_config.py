@@ -107,6 +107,15 @@ class RunConfig(BaseModel):
         report_to: the experiment trackers the metrics go to besides ``metrics.jsonl``:
             ``tensorboard``, ``wandb`` (offline, under the run folder) and ``mlflow`` (a local file
             store under the run folder); ``[]`` for none. See docs/configuration.md.
+        sync_check: after every weight sync, check that the generation engine runs the trained
+            weights: both score a fixed probe, and a mean log-probability difference per token above
+            ``sync_check_tol`` (None: 1e-3 in float32, 0.1 in bfloat16) fails the run
+            (``runtime.sync_check``).
+        staleness: how many weight versions the rollouts may lag the trainer (0: lock-step, the
+            default). With K ≥ 1 the generation engine samples step s+K's rollouts while the
+            trainer trains step s (one-step-off at K = 1): its samples come from weights up to K
+            updates old, so every policy loss must carry an off-policy correction
+            (``fc.losses.decoupled_ppo`` or ``correction=fc.losses.tis(…)``). See docs/async.md.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -127,6 +136,9 @@ class RunConfig(BaseModel):
     executor: Literal["auto", "ray", "inline"] = "auto"
     init: Literal["pretrained", "random"] = "pretrained"
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
+    sync_check: bool = True
+    sync_check_tol: float | None = Field(None, gt=0)
+    staleness: int = Field(0, ge=0, le=16)
 
     def optim_for(self, role: str) -> OptimConfig:
         return self.optim.get(role, self.default_optim)

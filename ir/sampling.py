@@ -32,11 +32,18 @@ class SamplingParams(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     stop: tuple[str, ...] = ()
 
-    @model_validator(mode="after")
-    def _zero_temperature_is_greedy(self) -> SamplingParams:
-        if self.temperature == 0.0 and not self.greedy:
-            return self.model_copy(update={"greedy": True})
-        return self
+    @property
+    def plain(self) -> bool:
+        """The sampler's log-probabilities are the model's own (temperature 1, nothing truncated; or
+        greedy), so they compare with a trainer's: what an off-policy correction needs."""
+        return self.greedy or (self.temperature == 1.0 and self.top_p == 1.0 and self.top_k <= 0 and self.min_p == 0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _zero_temperature_is_greedy(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("temperature") == 0.0 and not data.get("greedy"):
+            return {**data, "greedy": True}
+        return data
 
 
 SAMPLING_KEYS: tuple[str, ...] = tuple(SamplingParams.model_fields)

@@ -26,8 +26,8 @@ import torch
 from flowc.errors import RuntimeFailure, SpecError
 from flowc.ir.functional import DEFAULT_KL_KIND, varied_groups
 from flowc.ir.graph import Node, ValueRef
-from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
-from flowc.ir.ops import Op
+from flowc.ir.losses import DPO, PREFERENCE_LOSSES, PolicyGradient, PPOClip, dpo_loss
+from flowc.ir.ops import Op, RoleKind
 from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.targets import resolve
@@ -53,6 +53,7 @@ from flowc.runtime.program import MICRO_ARGS, EngineKey, EngineKind, EngineSpec,
 from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.rewards import Rewards
 from flowc.runtime.step_metrics import StepTally, step_metrics
+from flowc.runtime.sync_check import SyncCheck, first, probe_rollout, tolerance
 from flowc.runtime.worker import WorkerGroup
 
 Group = WorkerGroup | InlineGroup  # a pool's workers: Ray actors, or one worker in this process
@@ -89,6 +90,78 @@ def check_response_lengths(p: Program, cfg: RunConfig) -> None:
             )
 
 
+def sampling_of(st: Step, cfg: RunConfig) -> SamplingParams:
+    """A generate step's sampling: the run config's, with the flow's own keywords on top."""
+    own = {k: v for k, v in st.args.items() if k in SamplingParams.model_fields}
+    if "temperature" in own and "greedy" not in own:  # the flow's temperature decides (0 is greedy)
+        own["greedy"] = own["temperature"] == 0.0
+    return SamplingParams.model_validate({**cfg.sampling.model_dump(exclude_unset=True), **own})
+
+
+def behaviour_comparable(p: Program, cfg: RunConfig) -> bool:
+    """Whether the rollouts' log-probabilities compare with the trainer's (every generate samples
+    plainly, see ``SamplingParams.plain``); refuses an off-policy correction when they do not."""
+    plain = all(sampling_of(st, cfg).plain for st in p.steps if st.op == Op.GENERATE)
+    if plain:
+        return True
+    for st in p.steps_of(Op.UPDATE):
+        loss = p.graph[st.node].kwargs.get("loss")
+        if getattr(loss, "correction", None) is not None:
+            raise SpecError(
+                f"{st.node}(loss={loss}) weighs the rollout engine's log-probabilities against the trainer's, but the"
+                " rollout samples with temperature ≠ 1 or top-k/top-p/min-p: the engine's log-probabilities are of that"
+                " processed distribution, which the trainer does not compute",
+                fix="sample at temperature 1 with top_p=1, top_k=-1, min_p=0 (sampling.* in the run config), or drop the correction",
+            )
+    return False
+
+
+def check_staleness(p: Program, cfg: RunConfig) -> None:
+    """A run whose rollouts lag the trainer (``staleness`` K ≥ 1) needs: rollouts a generate makes
+    from the batch's prompts alone (so step s+K's can start before step s trains), no dynamic
+    sampling (its extra rounds generate within a step), and on every policy update a loss that
+    corrects for the samples' older policy."""
+    k = cfg.staleness
+    if k == 0:
+        return
+    fix_k = "or run lock-step (staleness=0)"
+    if p.steps_of(Op.FILTER):
+        raise SpecError(
+            f"staleness={k}: the flow filters groups and generates again within a step (fc.ops.filter_groups),"
+            " which the runtime does not run ahead of the trainer yet",
+            fix=f"drop the filter {fix_k}",
+        )
+    inputs = {st.node for st in p.steps if st.op == Op.INPUT}
+    for st in p.steps_of(Op.GENERATE):
+        src = p.graph[st.node].args[0]
+        if src.node not in inputs:
+            raise SpecError(
+                f"staleness={k}: {st.node} generates from {src}, not from the batch's prompts, so it cannot start"
+                " before the previous step has trained",
+                fix=f"generate from the flow's prompts {fix_k}",
+            )
+    updates = [st for st in p.steps_of(Op.UPDATE) if p.graph[st.node].kwargs.get("loss") is not None]
+    policy = [st for st in updates if isinstance(p.graph[st.node].kwargs["loss"], (PPOClip, PolicyGradient, DPO))]
+    if not policy:
+        raise SpecError(f"staleness={k}: the flow trains no policy on rollouts", fix="run it with staleness=0")
+    for st in policy:
+        loss = p.graph[st.node].kwargs["loss"]
+        if isinstance(loss, DPO):
+            raise SpecError(
+                f"staleness={k}: {st.node}(loss={loss}) trains on a dataset's pairs, not on rollouts: nothing can run ahead",
+                fix="run it with staleness=0",
+            )
+        if loss.correction is None:
+            raise SpecError(
+                f"staleness={k}: {st.node}(loss={loss}) assumes on-policy samples, but with staleness {k} they come from"
+                f" weights up to {k} updates older than the trainer's (naive PPO at staleness 4 lost most of its accuracy"
+                " in AReaL's ablation, 42.0 → 23.3 on AIME24)",
+                fix="weigh the samples by the trainer's over the engine's probability: loss=fc.losses.decoupled_ppo(clip)"
+                " with old_logprobs=actor.logprobs(rollout), or loss=fc.losses.ppo_clip(clip, correction=fc.losses.tis(2.0)),"
+                f" {fix_k}",
+            )
+
+
 class Controller:
     """Owns the worker groups for the length of a run."""
 
@@ -99,6 +172,13 @@ class Controller:
         self.p = spec.program
         self.cfg = spec.config
         check_response_lengths(self.p, self.cfg)
+        self._behaviour = behaviour_comparable(self.p, self.cfg)
+        check_staleness(self.p, self.cfg)
+        # staleness K: the iterations whose rollouts were issued ahead (step → its Iteration), and the
+        # weight version each step's rollouts were sampled with (the syncs issued before them)
+        self._ahead: dict[int, Iteration] = {}
+        self._version: dict[int, int] = {}
+        self._synced = 0  # the steps whose weight syncs have been issued: the version a generate issued now samples with
         self.rewards = Rewards(
             spec.rewards,
             spec.reward_names,
@@ -124,6 +204,11 @@ class Controller:
             Op.COMPUTE: self._compute,
         }
         self._syncs: dict[str, Callable[[Step], list[Any]]] = {"local": self._sync_local, "object_store": self._sync_buckets}
+        # checked weight sync (runtime.sync_check): a fixed probe both sides score after every sync
+        self._probe = probe_rollout(self.tok) if self.cfg.sync_check else None
+        tol = tolerance(self.p.target.dtype, self.cfg.sync_check_tol)
+        self._checks = {st.node: SyncCheck(st.engine.role, tol, self.p.target.dtype) for st in self.p.steps_of(Op.WEIGHT_SYNC)}
+        self._trainer_probe: dict[str, list[float] | None] = {}
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
@@ -237,13 +322,54 @@ class Controller:
     def run_step(self, step: int) -> dict[str, Any]:
         t_step = time.perf_counter()
         self._tally = StepTally()  # what the step adds up beyond its ops' reports (filter rounds, busy spans)
-        it = self._iteration(step, 0)
+        it = self._ahead.pop(step, None) or self._rollouts(step)
+        self._run_ahead(step)
         for st in self.p.steps:
+            if st.node in it.env:  # the prompts and rollouts, issued already
+                continue
             if st.op == Op.FILTER:
                 it.env[st.node] = self._filter(st, it)
             else:
                 self._exec(st, it)
-        return step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
+        m = step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
+        if self.cfg.staleness:
+            lag = step - self._version.pop(step)
+            if lag > self.cfg.staleness:  # the actor call order makes this impossible; a broken order must not pass
+                raise RuntimeFailure(
+                    f"step {step + 1} trained on rollouts {lag} weight versions old, over staleness={self.cfg.staleness}"
+                )
+            m["rollout/staleness"] = lag
+        self._synced = step + 1
+        for st in self.p.steps_of(Op.WEIGHT_SYNC):  # (waited for already: the metrics read every op's results)
+            diff = self._check_sync(st, self._wait(st, it.metas[st.node], "weight sync"), step)
+            if diff is not None:
+                m[f"{st.engine.role}/sync_probe_diff"] = diff
+        return m
+
+    def _check_sync(self, st: Step, metas: list[dict[str, Any]], step: int) -> float | None:
+        """The sync's probe check (``runtime.sync_check``); None when the run does not check."""
+        if self._probe is None:
+            return None
+        trainer = self._trainer_probe.pop(st.node, None) or first(metas, "probe_trainer")
+        return self._checks[st.node](step, trainer, first(metas, "probe_engine"))
+
+    def _rollouts(self, step: int) -> Iteration:
+        """Step ``step``'s iteration with its prompts read and its generates issued (not waited for).
+        A rollout engine runs calls in the order they were issued, so a generate issued before
+        this step's weight sync samples with the weights the previous syncs delivered."""
+        it = self._iteration(step, 0)
+        for st in self.p.steps:
+            if st.op in (Op.INPUT, Op.GENERATE) and (st.op == Op.INPUT or self.cfg.staleness):
+                self._exec(st, it)
+        self._version[step] = self._synced
+        return it
+
+    def _run_ahead(self, step: int) -> None:
+        """Staleness K: issue the rollouts of steps up to ``step + K`` (within the run) before this
+        step's weight sync, so the engine samples them while the trainer trains."""
+        for s in range(step + 1, min(step + self.cfg.staleness, self.cfg.steps - 1) + 1):
+            if s not in self._ahead:
+                self._ahead[s] = self._rollouts(s)
 
     def _iteration(self, step: int, round_: int) -> Iteration:
         """The prompts of ``step`` (a fresh draw of its own for each filter round) and the other data columns."""
@@ -358,7 +484,7 @@ class Controller:
     # ---------------------------------------------------------- device calls
     def _generate(self, st: Step, prompts: Any, n: int, step: int, round_: int = 0) -> tuple[Sharded, list[Any]]:
         wg, e = self._group_of(st.engine)
-        sp = self.cfg.sampling.model_copy(update={k: v for k, v in st.args.items() if k in SamplingParams.model_fields})
+        sp = sampling_of(st, self.cfg)
         max_tokens = sp.max_tokens or self.p.workload.response_len
         src = self._sharded(prompts)
         out = self._generate_call(wg, e, src, {"n": n, "sampling": sp, "max_tokens": max_tokens, "step": step, "round": round_})
@@ -408,6 +534,7 @@ class Controller:
             "entropy_coef": float(node.kwargs.get("entropy_coef", 0.0)),
             "epochs": w.epochs,
             **{k: st.args[k] for k in MICRO_ARGS},
+            **({"behaviour": self._behaviour} if e.role_kind == RoleKind.POLICY else {}),
         }
         args = [{**base, "mini_sizes": [b - a for a, b in ranges[r]]} for r in range(e.layout.dp)]
         replica = replica_of(e.layout)
@@ -420,16 +547,18 @@ class Controller:
 
     def _sync_local(self, st: Step) -> list[Any]:
         wg, _ = self._group_of(st.engine)
-        return wg.call("sync_local", st.engine, st.args["to"])
+        return wg.call("sync_local", st.engine, st.args["to"], self._probe)
 
     def _sync_buckets(self, st: Step) -> list[Any]:
         train, _ = self._group_of(st.engine)
         gen, _ = self._group_of(st.args["to"])
         exported = train.get(
-            train.call("export_weights", st.engine, st.args["bucket_bytes"]), f"weight sync {st.engine.role} (gather)"
+            train.call("export_weights", st.engine, st.args["bucket_bytes"], self._probe),
+            f"weight sync {st.engine.role} (gather)",
         )
         self._tally.ran([meta for _, meta in exported])
-        return gen.call("import_weights", st.args["to"], exported[0][0])
+        self._trainer_probe[st.node] = first([meta for _, meta in exported], "probe_trainer")
+        return gen.call("import_weights", st.args["to"], exported[0][0], self._probe)
 
     def _response_limit(self, st: Step) -> int:
         """The longest response ``st`` may generate (what ``response_length/clip_ratio`` counts)."""
@@ -537,9 +666,10 @@ class Controller:
         ckpt, state = CheckpointDir(run_dir).read_latest()
         for wg, e in self._trained():
             wg.get(wg.call("load", e.key, str(ckpt)), f"loading {e.role}")
-        for st in self.p.steps_of(Op.WEIGHT_SYNC):  # the rollout engines get the restored weights
-            self._wait(st, self._sync(st), "weight sync")
+        for st in self.p.steps_of(Op.WEIGHT_SYNC):  # the rollout engines get the restored weights (checked)
+            self._check_sync(st, self._wait(st, self._sync(st), "weight sync"), int(state.get("step", 0)) - 1)
         self.history = state.get("metrics", [])
+        self._synced = int(state.get("step", 0))
         return state
 
     def export_policy(self, path: Path) -> None:

@@ -118,8 +118,9 @@ def step_metrics(
             texts_of[st.node] = [t for x in got for t in x.get("texts", [])]
         elif st.op == Op.UPDATE:
             stats = [x["stats"] for x in got]
-            for k in stats[0]:
-                m[f"{role}/{VERL_STAT_NAMES.get(k, k)}"] = sum(s[k] for s in stats) / len(stats)
+            for k in dict.fromkeys(k for s in stats for k in s):  # a rank with only padding rows reports fewer
+                vals = [s[k] for s in stats if k in s]
+                m[f"{role}/{VERL_STAT_NAMES.get(k, k)}"] = sum(vals) / len(vals)
         elif st.op == Op.WEIGHT_SYNC:
             m[f"{role}/sync_bytes_per_device"] = max(x["bytes"] for x in got)
             m[f"{role}/sync_s"] = max(x["seconds"] for x in got)

@@ -24,6 +24,7 @@ import ray
 import torch
 
 from flowc.errors import RuntimeFailure, WorkerError, WorkerTimeout
+from flowc.ir.functional import Rollout
 from flowc.ir.ops import Op
 from flowc.runtime.backends import EngineInit, backend
 from flowc.runtime.backends.rollout import RolloutEngine
@@ -150,32 +151,47 @@ class Worker:
         return None, {"stats": eng.update(r, values, **args)}
 
     # ----------------------------------------------------------------- sync
-    def sync_local(self, src: EngineKey, dst: EngineKey) -> dict[str, float]:
+    def sync_local(self, src: EngineKey, dst: EngineKey, probe: Rollout | None = None) -> dict[str, Any]:
         """Co-located weight sync: the trained weights stream out of the training
-        engine (a collective: every rank iterates) into this rank's rollout engine."""
+        engine (a collective: every rank iterates) into this rank's rollout engine.
+        With a ``probe`` both engines then score it (see ``runtime.sync_check``)."""
         start, t0 = time.time(), time.perf_counter()
         eng = self.engines[src]
         stream = eng.weights()
         copied = self.engines[dst].load(stream) if dst in self.engines else 0.0
         _drain(stream)  # a rank without a rollout engine still takes part in the collectives
-        return {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0, "start": start}
+        out = {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0, "start": start}
+        if probe is not None:
+            out["probe_trainer"] = _probe_of(eng.forward(probe, 1), probe)
+            out["probe_engine"] = _probe_of(self.engines[dst].logprobs(probe), probe) if dst in self.engines else None
+        return out
 
-    def export_weights(self, src: EngineKey, bucket_bytes: float) -> tuple[list[Any], dict[str, float]]:
+    def export_weights(
+        self, src: EngineKey, bucket_bytes: float, probe: Rollout | None = None
+    ) -> tuple[list[Any], dict[str, Any]]:
         """Separate pools: the weights stream out of the training engine (every
-        rank takes part); rank 0 puts them in the object store in buckets."""
+        rank takes part); rank 0 puts them in the object store in buckets. With a
+        ``probe`` the trainer scores it too (every rank: a collective)."""
         start, t0 = time.time(), time.perf_counter()
         eng = self.engines[src]
         stream = eng.weights()
         refs = [ray.put(bucket) for bucket in _buckets(stream, bucket_bytes)] if self.rank == 0 else []
         _drain(stream)  # the other ranks take part in the collectives only
-        return refs, {"bytes": eng.last_received, "seconds": time.perf_counter() - t0, "start": start}
+        meta: dict[str, Any] = {"bytes": eng.last_received, "seconds": time.perf_counter() - t0, "start": start}
+        if probe is not None:
+            meta["probe_trainer"] = _probe_of(eng.forward(probe, 1), probe)
+        return refs, meta
 
-    def import_weights(self, dst: EngineKey, refs: list[Any]) -> dict[str, float]:
-        """Separate pools: the buckets, fetched one after another, feed one reload."""
+    def import_weights(self, dst: EngineKey, refs: list[Any], probe: Rollout | None = None) -> dict[str, Any]:
+        """Separate pools: the buckets, fetched one after another, feed one reload; then the
+        engine scores the ``probe`` (when given)."""
         start, t0 = time.time(), time.perf_counter()
         stream = (pair for ref in refs for pair in ray.get(ref, timeout=self.timeout).items())
         received = self.engines[dst].load(stream)
-        return {"bytes": received, "buckets": len(refs), "seconds": time.perf_counter() - t0, "start": start}
+        out = {"bytes": received, "buckets": len(refs), "seconds": time.perf_counter() - t0, "start": start}
+        if probe is not None:
+            out["probe_engine"] = _probe_of(self.engines[dst].logprobs(probe), probe)
+        return out
 
     def rollout_logprobs(self, key: EngineKey, inputs: dict[str, list[Piece]]) -> Any:
         return self.engines[key].logprobs(self._fetch(inputs["rollout"]))
@@ -330,6 +346,11 @@ class WorkerGroup:
             remove_placement_group(self.pg)
         except Exception:
             pass
+
+
+def _probe_of(lp: torch.Tensor | None, probe: Rollout) -> list[float] | None:
+    """The probe's per-token log-probabilities (None: a rank whose outputs are not kept)."""
+    return None if lp is None else lp[0, : probe.response_ids.shape[1]].float().tolist()
 
 
 def _drain(stream: Any) -> None:

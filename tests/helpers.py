@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -70,15 +71,15 @@ def policy_graph(
     return g
 
 
-def request(tmp_path: Path, flow: str = "grpo", **kw):
-    """A ``RunRequest`` for an example flow on the embedded default (local Ray, built-in task),
-    3 steps unless ``kw`` says otherwise."""
+def request(tmp_path: Path, flow: Any = "grpo", **kw):
+    """A ``RunRequest`` for an example flow (its name, or a loaded flow) on the embedded default
+    (local Ray, built-in task), 3 steps unless ``kw`` says otherwise."""
     from flowc.ir.run_config import RunConfig
     from flowc.loader import load_flow
     from flowc.run import RunRequest
 
     base = dict(
-        flow=load_flow(str(EXAMPLES / f"{flow}.py")),
+        flow=load_flow(str(EXAMPLES / f"{flow}.py")) if isinstance(flow, str) else flow,
         overrides={},
         models={},
         data=None,

@@ -25,7 +25,7 @@ import torch
 
 from flowc.errors import DataError
 from flowc.ir.functional import Rollout, kl
-from flowc.ir.losses import PREFERENCE_LOSSES, aggregate, denominator_kind, dpo_loss, policy_loss, value_loss
+from flowc.ir.losses import PREFERENCE_LOSSES, aggregate, denominator_kind, dpo_loss, mismatch, policy_loss, value_loss
 from flowc.ir.ops import RoleKind
 from flowc.ir.run_config import OptimConfig
 from flowc.runtime.backends import Score, Trainer, built_backend
@@ -165,12 +165,18 @@ def objective(
     denom: float,
     score: Score,
     max_len: int | None = None,
+    behaviour: bool = False,
+    first_pass: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """A role's training objective on one micro-batch and its statistics:
     ``score(with_entropy)`` runs the model (log-probabilities and entropy for a
     policy, values for a critic). ``max_len``: the response limit a constant
     normaliser divides by (``seq-mean-token-sum-norm``), the same for every
-    micro-batch however its padding was trimmed (default: this micro-batch's width)."""
+    micro-batch however its padding was trimmed (default: this micro-batch's width).
+    ``behaviour``: the rollout's log-probabilities are the engine's of the distribution the
+    trainer scores (plain sampling), so a correction may weigh them and the rollout/trainer
+    mismatch is reported — against ``old_logprobs``, or without them on the ``first_pass``
+    (the first mini-batch of the first epoch, before any optimizer step)."""
     mask = r.response_mask
     max_len = max_len or r.response_ids.shape[1]
     if kind == RoleKind.POLICY and isinstance(spec, PREFERENCE_LOSSES):
@@ -181,7 +187,11 @@ def objective(
         logp, entropy = score(True)
         if "advantages" not in t:
             raise DataError(f"{role}.update got no advantages")
-        pg, st = policy_loss(spec, logp, t.get("old_logprobs"), t["advantages"], mask, denom=denom, max_len=max_len)
+        old = t.get("old_logprobs")
+        behav = r.logprobs if behaviour else None
+        pg, st = policy_loss(spec, logp, old, t["advantages"], mask, denom=denom, max_len=max_len, behaviour_logp=behav)
+        if behav is not None and (old is not None or first_pass):
+            st |= mismatch(logp if old is None else old, behav, mask)
         obj = pg
         m = mask.to(logp.dtype)
         st = {"pg_loss": float(pg.detach()), **st}
@@ -275,9 +285,12 @@ class TrainEngine:
         micro: int,
         micro_tokens: int = 0,
         micro_overhead: float = 0.0,
+        behaviour: bool = False,
     ) -> dict[str, float]:
         """Optimizer updates over this replica's rows: ``mini_sizes[k]`` rows (in order) belong
-        to mini-batch k (see ``runtime.batches.minibatch_rows``), each epoch visits them all."""
+        to mini-batch k (see ``runtime.batches.minibatch_rows``), each epoch visits them all.
+        ``behaviour``: the rollout's log-probabilities are comparable with the trainer's (see
+        :func:`objective`)."""
         cfg, role = self.init.optim, self.init.role
         if cfg is None:
             raise DataError(f"{role} is frozen; it has no update")
@@ -289,9 +302,10 @@ class TrainEngine:
         sums: dict[str, float] = {}
         losses: dict[str, float] = {}
         minis = 0
-        weight, norm_sum, lr = 0.0, 0.0, lr_at(cfg, self.updates, self.init.total_updates)
-        for _epoch in range(epochs):
-            for mlo, mhi in bounds:
+        weight: dict[str, float] = {}
+        norm_sum, lr = 0.0, lr_at(cfg, self.updates, self.init.total_updates)
+        for epoch in range(epochs):
+            for mini, (mlo, mhi) in enumerate(bounds):
                 mb = slice_rows(r, mlo, mhi)
                 ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
                 local = float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)
@@ -299,13 +313,17 @@ class TrainEngine:
                 parts, bins = self.split(mb, micro, unit, micro_tokens, micro_overhead)
                 real = [len(idx) for idx in bins]
 
-                def fn(i: int, part: Rollout, score: Score, ts=ts, denom=denom, bins=bins):
+                first = epoch == 0 and mini == 0
+
+                def fn(i: int, part: Rollout, score: Score, ts=ts, denom=denom, bins=bins, first=first):
                     idx = bins[i]
                     width = part.response_ids.shape[1]
                     pt = {k: take_rows(v, idx) if len(idx) else slice_rows(v, 0, unit) for k, v in ts.items()}
                     pt = {k: (v[:, :width] if v.dim() == 2 else v).to(part.response_ids.device) for k, v in pt.items()}
                     kind = self.init.kind
-                    return objective(kind, role, part, pt, loss, kl_coef, kl_kind, entropy_coef, denom, score, max_len)
+                    return objective(
+                        kind, role, part, pt, loss, kl_coef, kl_kind, entropy_coef, denom, score, max_len, behaviour, first
+                    )
 
                 self.b.zero_grad()
                 got = self.b.run(parts, real, fn, train=True) or []
@@ -323,16 +341,18 @@ class TrainEngine:
                     for key, val in g.items():
                         if key in LOSS_SHARES:
                             shares[key] = shares.get(key, 0.0) + val
-                        else:
+                        else:  # weighed over the micro-batches that report it (the mismatch: the first pass only)
                             sums[key] = sums.get(key, 0.0) + val * w
-                    weight += w
+                            weight[key] = weight.get(key, 0.0) + w
                 for key, val in shares.items():
                     losses[key] = losses.get(key, 0.0) + val
                 minis += 1
         # the replicas' shares add up to each mini-batch's loss; the controller averages what every rank reports
         # (a replica's ranks report the same), so each reports its shares × the replicas
         replicas = self.init.layout.dp
-        stats = {k: v / max(weight, 1.0) for k, v in sums.items()} | {k: v * replicas / max(minis, 1) for k, v in losses.items()}
+        stats = {k: v / max(weight[k], 1.0) for k, v in sums.items()} | {
+            k: v * replicas / max(minis, 1) for k, v in losses.items()
+        }
         out = self.b.share(stats)
         out["grad_norm"] = norm_sum / max(num_rows(r) * epochs, 1)
         out["lr"] = lr

@@ -88,8 +88,33 @@ def test_an_inline_controller_syncs_its_rollout_engine_and_names_failures(tmp_pa
         m = ctl.run_step(0)
         assert m["reward"] >= 0 and m["perf/controller_fraction"] < 1
         assert ctl.sync_error("actor") < 1e-5
+        assert m["actor/sync_probe_diff"] < 1e-5  # every sync is checked: the engine scores a probe as the trainer does
+        # every run reports how far the engine's sampling log-probabilities are from the trainer's (fp32: rounding)
+        assert 0 <= m["actor/mismatch_kl"] < 1e-6 and m["actor/mismatch_abs"] < 1e-4
         with pytest.raises(WorkerError, match=r"rollout_logprobs\(critic/rollout\) failed on worker group .*KeyError"):
             group.get(group.call("rollout_logprobs", EngineKey("critic", EngineKind.ROLLOUT), {}), "probe")
+    finally:
+        ctl.shutdown()
+
+
+def test_a_sync_the_engine_did_not_take_fails_the_run(tmp_path):
+    """A rollout engine whose loader drops the weights (the most reported silent async bug) keeps
+    generating from its old weights: the sync's probe check fails the run, naming the step."""
+    cfg = RunConfig(steps=4, eval_every=0, checkpoint_every=0, executor="inline")
+    spec = prepare(request(tmp_path, cluster="local:1", workload=WORKLOAD, config=cfg)).run
+    ctl = Controller(spec)
+    try:
+        ctl.start()
+        (group,) = ctl.groups.values()
+        ctl.run_step(0)
+        engine = group.worker.engines[EngineKey("actor", EngineKind.ROLLOUT)]
+        engine.load = lambda weights: 0.0  # a broken loader: nothing arrives
+        with pytest.raises(
+            RuntimeFailure, match=r"actor: after the weight sync of step \d the generation engine does not run"
+        ) as e:
+            for step in range(1, 4):
+                ctl.run_step(step)
+        assert "it kept its old weights" in e.value.what and "sync_check" in e.value.fix
     finally:
         ctl.shutdown()
 
@@ -273,3 +298,32 @@ def test_reward_processes_that_cannot_load_or_are_interrupted_serve_nothing_stal
         assert pool.score("r", ["1+1="], ["3"], {"answer": ["2"]}, where="after").tolist() == [0.0]
     finally:
         pool.stop()
+
+
+CORRECTED = """
+import flowc as fc
+
+@fc.flow
+def corrected(prompts: fc.Prompts, actor: fc.Policy, reward: fc.Reward, *, n: int = 4):
+    rollout = actor.generate(prompts, n=n)
+    old = actor.logprobs(rollout)
+    adv = fc.ops.group_normalize(reward(rollout), group_size=n)
+    actor.update(rollout, advantages=adv, old_logprobs=old, loss=fc.losses.decoupled_ppo(0.2, cap=2.0))
+"""
+
+
+def test_a_corrected_loss_weighs_the_engines_samples(tmp_path):
+    """Decoupled PPO end to end: the update weighs each token by the trainer's over the engine's
+    probability; with the engine in step with the trainer (staleness 0, fp32) every weight is 1."""
+    from flowc.loader import load_flow
+
+    path = tmp_path / "corrected.py"
+    path.write_text(CORRECTED)
+    cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0, executor="inline")
+    req = request(tmp_path, flow=load_flow(str(path)), cluster="local:1", workload=WORKLOAD, config=cfg, steps=2)
+    out = run(req, progress=False)
+    rows = _rows(out)
+    assert len(rows) == 2
+    for m in rows:
+        assert m["actor/is_weight"] == pytest.approx(1.0, abs=1e-4) and m["actor/is_cut_frac"] == 0.0
+        assert m["actor/mismatch_kl"] < 1e-6

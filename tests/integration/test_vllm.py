@@ -172,6 +172,10 @@ def test_grpo_with_vllm_matches_the_trainer_after_training_steps(ray_cluster, tm
         assert got["actor/sync_bytes_predicted"] == pytest.approx(sync.bytes_per_device)
         assert got["actor/sync_bytes_per_device"] == pytest.approx(sync.bytes_per_device, rel=0.05, abs=1.0)
         assert ctl.sync_error("actor") < TOL
+        # both sync paths (co-located, object store) end with a probe both sides scored alike
+        assert 0 <= got["actor/sync_probe_diff"] < TOL
+        # vLLM's sampling log-probabilities are the trainer's to rounding: the mismatch every run reports
+        assert 0 <= got["actor/mismatch_kl"] < 1e-6 and got["actor/mismatch_abs"] < TOL
         # the engine's KV cache is the plan's (the blocks its concurrent sequences hold), not a fixed GiB
         from flowc.runtime.backends.vllm import cpu_kv_cache_bytes
 
