@@ -183,6 +183,15 @@ def plan(
     sets: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     out: Annotated[str | None, typer.Option("--out", "-o", help="Also save the plan as JSON to this path.")] = None,
+    staleness: Annotated[
+        int | None,
+        typer.Option(
+            "--staleness",
+            min=0,
+            help="Plan a loop whose rollouts lag the trainer by up to K weight versions (its steady state), "
+            "and compare it with the best lock-step plan. Same as --pin staleness=K.",
+        ),
+    ] = None,
 ) -> None:
     """Plan where and how every role of the flow runs, and explain why.
 
@@ -197,6 +206,9 @@ def plan(
     from flowc.ir.plan_text import format_plan
 
     t0 = time.perf_counter()
+    lock_step_pins = list(pin or [])
+    if staleness:
+        pin = [*lock_step_pins, f"staleness={staleness}"]
     if _previews_run(cluster, model, plan_file) or data or config or sets or reward or rollout:
         if plan_file:
             raise FlowcError(
@@ -218,9 +230,29 @@ def plan(
         typer.echo(p.to_json())
     else:
         typer.echo(format_plan(p), nl=False)
+        if staleness:
+            typer.echo(
+                _beside_lock_step(p, _plan(file, overrides, model, cluster, workload, lock_step_pins, plan_file, for_run)[0])
+            )
         for n in req.notes or []:
             err_console.print(f"note: {escape(n)}")
         err_console.print(f"planned in {time.perf_counter() - t0:.2f} s")
+
+
+def _beside_lock_step(ahead, lock) -> str:
+    """The pipelined plan and the best lock-step plan, side by side."""
+
+    def where(p) -> str:
+        return " | ".join(f"{x.name} ×{x.device_count}" for x in p.pools)
+
+    k, a, b = ahead.staleness, ahead.predicted.step_time_s, lock.predicted.step_time_s
+    gain = b / a if a > 0 else 0.0
+    return (
+        f"\nstaleness {k} beside lock-step (each plan's best placement):\n"
+        f"  staleness {k}  {a:8.2f} s/step  {where(ahead)}\n"
+        f"  lock-step    {b:8.2f} s/step  {where(lock)}\n"
+        f"  → {gain:.2f}× the lock-step throughput, for samples up to {k} weight version(s) old\n"
+    )
 
 
 def _previews_run(cluster: str | None, model: list[str] | None, plan_file: str | None) -> bool:

@@ -235,12 +235,17 @@ class ScheduleEntry(BaseModel):
 
 
 class Predicted(BaseModel):
+    """The step as the cost model predicts it. With staleness ≥ 1, ``step_time_s`` is the pipelined
+    loop's steady-state period and ``iteration_s`` one iteration's span (the lock-step step on the
+    same placement)."""
+
     model_config = _FROZEN
     step_time_s: float
     tokens_per_s: float
     tokens_per_s_per_device: float
     tokens_per_step: float
     mfu: float
+    iteration_s: float | None = None
 
 
 class Alternative(BaseModel):
@@ -340,6 +345,7 @@ class Plan(BaseModel):
     why: list[str]
     pins: dict[str, object] = {}
     search: dict[str, object] = {}
+    staleness: int = 0  # weight versions the rollouts may lag the trainer (0: lock-step); the runtime's RunConfig.staleness
 
     @model_validator(mode="before")
     @classmethod

@@ -61,6 +61,13 @@ def _header(plan: Plan) -> list[str]:
         f"  models    {models}",
         "",
         f"predicted: {p.step_time_s:.2f} s/step · {p.tokens_per_s:,.0f} tokens/s · {p.tokens_per_s_per_device:,.1f} tokens/s/device · MFU {p.mfu * 100:.1f} %",
+        *(
+            [
+                f"  pipelined: staleness {plan.staleness} (rollouts up to {plan.staleness} weight version(s) behind); one iteration {p.iteration_s:.2f} s"
+            ]
+            if plan.staleness and p.iteration_s is not None
+            else []
+        ),
     ]
 
 

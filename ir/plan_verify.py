@@ -117,8 +117,19 @@ def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
     if len(ops) != len(set(ops)):
         raise VerificationError("schedule lists an op twice")
     end = max((e.end_s for e in plan.schedule), default=0.0)
-    if abs(end - plan.predicted.step_time_s) > 1e-3 * max(1.0, end):
-        raise VerificationError(f"predicted step {plan.predicted.step_time_s} s is not the schedule's end {end} s")
+    pred = plan.predicted
+    if plan.staleness:  # the schedule is one iteration; the step, the pipelined loop's period
+        if pred.iteration_s is None or abs(end - pred.iteration_s) > 1e-3 * max(1.0, end):
+            raise VerificationError(f"predicted iteration {pred.iteration_s} s is not the schedule's end {end} s")
+        busiest = max((p.busy_s for p in plan.pools), default=0.0)
+        low = max(busiest, end / (plan.staleness + 1))
+        if not low * (1 - 1e-3) <= pred.step_time_s <= end * (1 + 1e-3):
+            raise VerificationError(
+                f"predicted step {pred.step_time_s} s of a loop {plan.staleness} version(s) ahead is outside"
+                f" [{low:.6g}, {end:.6g}] s (the busiest pool or the iteration over {plan.staleness + 1}, one iteration)"
+            )
+    elif abs(end - pred.step_time_s) > 1e-3 * max(1.0, end):
+        raise VerificationError(f"predicted step {pred.step_time_s} s is not the schedule's end {end} s")
 
 
 def _verify_graph(plan: Plan) -> None:

@@ -247,9 +247,10 @@ def _phase(pool: str, d: int, devs: str, lay: Layout, mem: Memory, cap: float, i
 # ------------------------------------------------------------------ timeline
 def timeline(
     g: FlowGraph, ctx: PlanContext, pl: Placement, rs: list[ReshardPlan], pools: list[PoolPlan]
-) -> tuple[float, list[ScheduleEntry], list[PoolPlan]]:
+) -> tuple[float, float, list[ScheduleEntry], list[PoolPlan]]:
     """One iteration's list schedule (the search's :func:`simulate`, on the
-    winner): the step time, its entries, and the pools with their busy time."""
+    winner): the step time (with staleness, the pipelined period), one iteration's
+    span, its entries, and the pools with their busy time."""
     units = {u.name: u for u in ctx.units}
     ops = [OpSpec(o.id, pl.pool_of_unit[ctx.unit_of_op[o.id]] if o.pool is not None else None, o.deps) for o in ctx.ops]
     times = {op: np.array([t]) for c in pl.cand.choices for op, t in c.op_times.items()}
@@ -263,8 +264,12 @@ def timeline(
         syncs.append(s)
         sync_times[s.id] = np.array([r.time_s])
     sizes = [np.array([float(s)]) for s in pl.cand.sizes]
-    step, spans, busy = simulate(ops, syncs, times, sync_times, sizes, ctx.hw.pool_bw, ctx.hw.controller_bw, record=True)
+    k = ctx.pins.staleness or 0
+    step, spans, busy = simulate(
+        ops, syncs, times, sync_times, sizes, ctx.hw.pool_bw, ctx.hw.controller_bw, record=True, staleness=k
+    )
     step_s = float(step[0])
+    iteration_s = max((float(e[0]) for _, e in spans.values()), default=0.0)
     sync_role = {s.id: s.role for s in syncs}
     entries = []
     for oid, (s, e) in sorted(spans.items(), key=lambda kv: (float(kv[1][0][0]), float(kv[1][1][0]), kv[0])):
@@ -287,12 +292,13 @@ def timeline(
         )
         for i, p in enumerate(pools)
     ]
-    return step_s, entries, pools
+    return step_s, iteration_s, entries, pools
 
 
 # ----------------------------------------------------------------- predicted
-def predicted(g: FlowGraph, ctx: PlanContext, step_s: float) -> Predicted:
-    """Throughput and MFU of the step: the policy's trained tokens, every model op's useful FLOPs."""
+def predicted(g: FlowGraph, ctx: PlanContext, step_s: float, iteration_s: float | None = None) -> Predicted:
+    """Throughput and MFU of the step: the policy's trained tokens, every model op's useful FLOPs
+    (``iteration_s``: one iteration's span, given when the loop is pipelined)."""
     dem = ctx.demands
     tokens = sum(
         d.sequences * d.seq_len for nid, d in dem.items() if g[nid].op == Op.UPDATE and g.roles[g[nid].role].kind == "policy"
@@ -312,6 +318,7 @@ def predicted(g: FlowGraph, ctx: PlanContext, step_s: float) -> Predicted:
         tokens_per_s_per_device=round(tokens / step_s / world, 4) if step_s else 0.0,
         tokens_per_step=float(tokens),
         mfu=round(flops / (step_s * world * ctx.hw.peak), 4) if step_s else 0.0,
+        iteration_s=round(iteration_s, 6) if iteration_s is not None else None,
     )
 
 

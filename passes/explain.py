@@ -203,6 +203,26 @@ def dynamic_sampling_notes(g: FlowGraph) -> list[str]:
     return out
 
 
+def pipelined_note(k: int, plan_body: dict) -> list[str]:
+    """What running the rollouts ``k`` versions ahead buys on the chosen placement, and its bound."""
+    pred = plan_body["predicted"]
+    if not k or not pred.iteration_s:
+        return []
+    step, it = pred.step_time_s, pred.iteration_s
+    busiest = max(plan_body["pools"], key=lambda p: p.busy_s)
+    if busiest.busy_s >= step * 0.999:
+        bound = f"pool {busiest.name} is busy all of it (its ops and weight syncs of one step)"
+    else:
+        bound = f"one iteration's chain of dependencies spread over {k + 1} steps"
+    gain = f"{it / step:.2f}× the lock-step throughput" if step > 0 else "no gain"
+    head = f"Staleness {k}: the rollouts of step s+{k} are sampled while step s trains"
+    if it <= step * 1.001:
+        return [f"{head}, but every pool runs its share one after another here: {step:.2f} s per step either way (no gain)."]
+    return [
+        f"{head}: {step:.2f} s per step in the steady state — {bound} — against {it:.2f} s for one lock-step iteration on this placement ({gain})."
+    ]
+
+
 def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
     """Sentences that explain the winner."""
     best = result.ranked[0]
@@ -213,6 +233,7 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
         f"{len(result.infeasible)} co-locations cannot fit."
     )
     lines.append(f"Chosen: {describe(best)} — {best.step:.2f} s per step.")
+    lines += pipelined_note(ctx.pins.staleness or 0, plan_body)
     runner = next((c for p, c in sorted(result.per_partition.items(), key=lambda kv: kv[1].step) if p != best.partition), None)
     if runner is not None:
         lines.append(f"Next best co-location: {describe(runner)} — {why_slower(runner, best)}.")

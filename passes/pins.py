@@ -77,6 +77,9 @@ class Pins(BaseModel):
     roles: dict[str, dict[str, PhasePin]] = {}
     colocate: list[list[str]] | None = None
     reshard: dict[str, ReshardMethod] = {}
+    # weight versions the rollouts may lag the trainer (runtime RunConfig.staleness): the plan prices
+    # the pipelined loop's steady state (schedule.simulate); None: lock-step
+    staleness: int | None = Field(None, ge=0, le=16)
     # What the runtime executes, set by its registry (not by users): the backends
     # that run on the cluster's devices (None: any), and per backend the fields a
     # layout on it must have (limits[B]; fsdp2: tp=pp=cp=ep=1).
@@ -117,6 +120,7 @@ class Pins(BaseModel):
         return (
             not self.roles
             and self.colocate is None
+            and self.staleness is None
             and not self.reshard
             and not self.limits
             and self.backends is None
@@ -133,6 +137,7 @@ class Pins(BaseModel):
         return Pins(
             roles=roles,
             colocate=other.colocate if other.colocate is not None else self.colocate,
+            staleness=other.staleness if other.staleness is not None else self.staleness,
             reshard={**self.reshard, **other.reshard},
             whole_tensor_sync=self.whole_tensor_sync or other.whole_tensor_sync,
             sleep_colocated=self.sleep_colocated and other.sleep_colocated,
@@ -183,6 +188,11 @@ def parse_pin(text: str) -> Pins:
     if key == "colocate":
         groups = [[u.strip() for u in g.split(",") if u.strip()] for g in raw.split(";") if g.strip()]
         return Pins(colocate=groups)
+    if key == "staleness":
+        try:
+            return Pins(staleness=_value(raw))
+        except ValidationError as e:
+            raise SpecError(f"pin {text!r}: staleness is a whole number of weight versions, 0 to 16") from e
     parts = key.split(".")
     if parts[0] == "reshard" and len(parts) == 2:
         try:
@@ -242,4 +252,4 @@ def pins_from_plan(plan: Plan) -> Pins:
             roles.setdefault(name, {})[ph] = PhasePin(**fields, devices=pp.device_count, gpu_memory_utilization=util)
     colocate = [list(p.units) for p in plan.pools]
     reshard = {r.role: r.method for r in plan.reshards if r.dst_phase == "generate"}
-    return Pins(roles=roles, colocate=colocate, reshard=reshard)
+    return Pins(roles=roles, colocate=colocate, reshard=reshard, staleness=plan.staleness or None)

@@ -20,7 +20,7 @@ from flowc.ir.ops import Op, weight_sync_id
 from flowc.ir.plan import Plan, Target
 from flowc.ir.serialize import to_dict
 from flowc.ir.types import WeightsType
-from flowc.ir.verify import verify
+from flowc.ir.verify import check_staleness, verify
 from flowc.ir.workload import WorkloadSpec
 from flowc.passes import build
 from flowc.passes.analysis import annotate_bytes, annotate_flops
@@ -44,6 +44,7 @@ def placement_units(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
     ctx.units = units_of(g)
     ctx.unit_of_op = {op: u.name for u in ctx.units for op in u.ops}
     _check_pins(g, ctx)
+    check_staleness(g, ctx.pins.staleness or 0)
     return g
 
 
@@ -98,9 +99,10 @@ def insert_weight_sync(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
 def assemble_plan(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
     result, pl = ctx.search, ctx.placement
     roles, pools = build.phases(ctx, pl)
-    step, schedule, pools = build.timeline(g, ctx, pl, ctx.reshards, pools)
+    step, iteration, schedule, pools = build.timeline(g, ctx, pl, ctx.reshards, pools)
+    k = ctx.pins.staleness or 0
     body = {
-        "predicted": build.predicted(g, ctx, step),
+        "predicted": build.predicted(g, ctx, step, iteration if k else None),
         "roles": build.role_plans(g, ctx, roles),
         "pools": pools,
         "reshards": ctx.reshards,
@@ -119,6 +121,7 @@ def assemble_plan(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
         alternatives=alternatives(ctx, result),
         why=why(ctx, result, body) + dynamic_sampling_notes(g),
         pins=ctx.pins.summary(),
+        staleness=k,
         search={
             "strategy": result.strategy,
             "device_splits": result.evaluated,

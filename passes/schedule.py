@@ -6,7 +6,8 @@ overlap whenever the data allows. Controller ops (``compute``, ``reward``,
 After the last update of a policy its weights move to the generation layout
 (``weight_sync``): on the pool itself when co-located, on both pools' links
 when not. The step time is when everything, the sync included, is done — the
-next iteration's ``generate`` needs the new weights.
+next iteration's ``generate`` needs the new weights — unless the rollouts may lag the
+trainer (staleness K ≥ 1): then it is the pipelined loop's period (:func:`period`).
 
 :func:`simulate` works on numpy arrays so the search can evaluate many device
 splits at once: every time is an array over candidates.
@@ -66,10 +67,12 @@ def simulate(
     controller_bw: float,
     *,
     record: bool = False,
+    staleness: int = 0,
 ) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
     """Finish time of the step for every candidate (and, with ``record``,
     start/end of every op and sync). ``times`` holds per-op durations;
-    ``pool_sizes[i]`` the device count of pool i per candidate."""
+    ``pool_sizes[i]`` the device count of pool i per candidate. With ``staleness`` K ≥ 1 the
+    step time is the pipelined loop's period (:func:`period`), the spans one iteration's."""
     n = len(next(iter(pool_sizes))) if pool_sizes else 1
     free = [np.zeros(n) for _ in pool_sizes]
     busy = [np.zeros(n) for _ in pool_sizes]
@@ -110,4 +113,20 @@ def simulate(
         step = np.maximum(step, end)
         if record:
             spans[s.id] = (start, end)
-    return step, spans, busy
+    return period(step, busy, staleness), spans, busy
+
+
+def period(iteration: np.ndarray, busy: list[np.ndarray], staleness: int) -> np.ndarray:
+    """The steady-state time per step of a loop whose rollouts may lag the trainer by ``staleness``
+    (K) weight versions. Step s+K's generate waits only for step s−1's weight sync, so K+1
+    iterations share one chain of dependencies (generate → … → update → sync → the generate K+1
+    steps later): a step takes at least ``iteration / (K+1)``; and every pool runs its own ops and
+    syncs of each step one after another: at least the busiest pool's time. Lock-step (K = 0) is
+    the iteration itself. Co-located on one pool, the busiest pool is the whole iteration: the
+    asynchrony buys nothing there."""
+    if staleness <= 0:
+        return iteration
+    out = iteration / (staleness + 1)
+    for b in busy:
+        out = np.maximum(out, b)
+    return out

@@ -120,6 +120,7 @@ class Searcher:
         self.node = hw.node
         self.hw = hw
         self.colocate = pins.colocate
+        self.staleness = pins.staleness or 0
         self.units = list(pools.t.units)
         self.devices_pin = {
             u: d for u in self.units for ph in pools.t.units[u].phases if (d := pins.phase(pools.t.units[u].role, ph).devices)
@@ -228,6 +229,7 @@ class Searcher:
             [sizes[:, i].astype(float) for i in range(len(part))],
             self.hw.pool_bw,
             self.hw.controller_bw,
+            staleness=self.staleness,
         )
         return step, choices
 

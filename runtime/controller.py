@@ -26,12 +26,12 @@ import torch
 from flowc.errors import RuntimeFailure, SpecError
 from flowc.ir.functional import DEFAULT_KL_KIND, varied_groups
 from flowc.ir.graph import Node, ValueRef
-from flowc.ir.losses import DPO, PREFERENCE_LOSSES, PolicyGradient, PPOClip, dpo_loss
+from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
 from flowc.ir.ops import Op, RoleKind
 from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.targets import resolve
-from flowc.ir.verify import filter_region
+from flowc.ir.verify import check_staleness, filter_region
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.batches import (
     INLINE_BYTES,
@@ -116,52 +116,6 @@ def behaviour_comparable(p: Program, cfg: RunConfig) -> bool:
     return False
 
 
-def check_staleness(p: Program, cfg: RunConfig) -> None:
-    """A run whose rollouts lag the trainer (``staleness`` K ≥ 1) needs: rollouts a generate makes
-    from the batch's prompts alone (so step s+K's can start before step s trains), no dynamic
-    sampling (its extra rounds generate within a step), and on every policy update a loss that
-    corrects for the samples' older policy."""
-    k = cfg.staleness
-    if k == 0:
-        return
-    fix_k = "or run lock-step (staleness=0)"
-    if p.steps_of(Op.FILTER):
-        raise SpecError(
-            f"staleness={k}: the flow filters groups and generates again within a step (fc.ops.filter_groups),"
-            " which the runtime does not run ahead of the trainer yet",
-            fix=f"drop the filter {fix_k}",
-        )
-    inputs = {st.node for st in p.steps if st.op == Op.INPUT}
-    for st in p.steps_of(Op.GENERATE):
-        src = p.graph[st.node].args[0]
-        if src.node not in inputs:
-            raise SpecError(
-                f"staleness={k}: {st.node} generates from {src}, not from the batch's prompts, so it cannot start"
-                " before the previous step has trained",
-                fix=f"generate from the flow's prompts {fix_k}",
-            )
-    updates = [st for st in p.steps_of(Op.UPDATE) if p.graph[st.node].kwargs.get("loss") is not None]
-    policy = [st for st in updates if isinstance(p.graph[st.node].kwargs["loss"], (PPOClip, PolicyGradient, DPO))]
-    if not policy:
-        raise SpecError(f"staleness={k}: the flow trains no policy on rollouts", fix="run it with staleness=0")
-    for st in policy:
-        loss = p.graph[st.node].kwargs["loss"]
-        if isinstance(loss, DPO):
-            raise SpecError(
-                f"staleness={k}: {st.node}(loss={loss}) trains on a dataset's pairs, not on rollouts: nothing can run ahead",
-                fix="run it with staleness=0",
-            )
-        if loss.correction is None:
-            raise SpecError(
-                f"staleness={k}: {st.node}(loss={loss}) assumes on-policy samples, but with staleness {k} they come from"
-                f" weights up to {k} updates older than the trainer's (naive PPO at staleness 4 lost most of its accuracy"
-                " in AReaL's ablation, 42.0 → 23.3 on AIME24)",
-                fix="weigh the samples by the trainer's over the engine's probability: loss=fc.losses.decoupled_ppo(clip)"
-                " with old_logprobs=actor.logprobs(rollout), or loss=fc.losses.ppo_clip(clip, correction=fc.losses.tis(2.0)),"
-                f" {fix_k}",
-            )
-
-
 class Controller:
     """Owns the worker groups for the length of a run."""
 
@@ -173,7 +127,7 @@ class Controller:
         self.cfg = spec.config
         check_response_lengths(self.p, self.cfg)
         self._behaviour = behaviour_comparable(self.p, self.cfg)
-        check_staleness(self.p, self.cfg)
+        check_staleness(self.p.graph, self.p.staleness)  # a saved plan's too
         # staleness K: the iterations whose rollouts were issued ahead (step → its Iteration), and the
         # weight version each step's rollouts were sampled with (the syncs issued before them)
         self._ahead: dict[int, Iteration] = {}
@@ -332,11 +286,11 @@ class Controller:
             else:
                 self._exec(st, it)
         m = step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
-        if self.cfg.staleness:
+        if self.p.staleness:
             lag = step - self._version.pop(step)
-            if lag > self.cfg.staleness:  # the actor call order makes this impossible; a broken order must not pass
+            if lag > self.p.staleness:  # the actor call order makes this impossible; a broken order must not pass
                 raise RuntimeFailure(
-                    f"step {step + 1} trained on rollouts {lag} weight versions old, over staleness={self.cfg.staleness}"
+                    f"step {step + 1} trained on rollouts {lag} weight versions old, over staleness={self.p.staleness}"
                 )
             m["rollout/staleness"] = lag
         self._synced = step + 1
@@ -359,7 +313,7 @@ class Controller:
         this step's weight sync samples with the weights the previous syncs delivered."""
         it = self._iteration(step, 0)
         for st in self.p.steps:
-            if st.op in (Op.INPUT, Op.GENERATE) and (st.op == Op.INPUT or self.cfg.staleness):
+            if st.op in (Op.INPUT, Op.GENERATE) and (st.op == Op.INPUT or self.p.staleness):
                 self._exec(st, it)
         self._version[step] = self._synced
         return it
@@ -367,7 +321,7 @@ class Controller:
     def _run_ahead(self, step: int) -> None:
         """Staleness K: issue the rollouts of steps up to ``step + K`` (within the run) before this
         step's weight sync, so the engine samples them while the trainer trains."""
-        for s in range(step + 1, min(step + self.cfg.staleness, self.cfg.steps - 1) + 1):
+        for s in range(step + 1, min(step + self.p.staleness, self.cfg.steps - 1) + 1):
             if s not in self._ahead:
                 self._ahead[s] = self._rollouts(s)
 

@@ -127,6 +127,7 @@ class Program:
     graph: FlowGraph
     target: Target
     workload: WorkloadSpec
+    staleness: int = 0  # weight versions the rollouts may lag the trainer (the plan's)
 
     def group(self, name: str) -> GroupSpec:
         for g in self.groups:
@@ -241,7 +242,7 @@ def lower(plan: Plan, *, here: bool = True) -> Program:
         ins = tuple(sorted({e.src for e in g.inputs(n.id)}, key=order.index))
         group, engine, args = _placement(plan, g, n)
         steps.append(Step(len(steps), n.op, n.id, group, engine, ins, args, round(predicted.get(n.id, 0.0), 6)))
-    return Program(plan.flow, groups, tuple(steps), g, plan.target, _workload(plan))
+    return Program(plan.flow, groups, tuple(steps), g, plan.target, _workload(plan), plan.staleness)
 
 
 def _memory_fraction(pp: PhasePlan, phase: str) -> float:

@@ -12,7 +12,6 @@ from flowc.errors import SpecError
 from flowc.ir.run_config import RunConfig
 from flowc.loader import load_flow
 from flowc.run import prepare, run
-from flowc.runtime.controller import Controller
 
 WORKLOAD = "prompts=8,prompt_len=8,response_len=6"
 SEPARATE = ["colocate=actor.train;actor.gen"]  # the engine in its own pool: it generates while the trainer trains
@@ -78,14 +77,26 @@ def test_the_lock_step_run_is_unchanged_by_the_pipeline(ray_cluster, tmp_path):
 )
 def test_staleness_without_a_correction_is_refused(tmp_path, loss, match):
     cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0, staleness=1)
-    spec = prepare(request(tmp_path, flow=_flow(tmp_path, loss), cluster="local:1", workload=WORKLOAD, config=cfg)).run
-    with pytest.raises(SpecError, match=match) as e:
-        Controller(spec)
+    with pytest.raises(SpecError, match=match) as e:  # when it is planned, before anything starts
+        prepare(request(tmp_path, flow=_flow(tmp_path, loss), cluster="local:1", workload=WORKLOAD, config=cfg))
     assert "decoupled_ppo" in e.value.fix and "staleness=0" in e.value.fix
 
 
 def test_staleness_with_dynamic_sampling_is_refused(tmp_path):
     cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0, staleness=1)
-    spec = prepare(request(tmp_path, flow="dapo", cluster="local:1", workload=WORKLOAD, config=cfg)).run
     with pytest.raises(SpecError, match="filter"):
-        Controller(spec)
+        prepare(request(tmp_path, flow="dapo", cluster="local:1", workload=WORKLOAD, config=cfg))
+
+
+def test_a_saved_lock_step_plan_is_not_run_ahead(tmp_path):
+    """The staleness is the plan's decision: a saved lock-step plan run with --staleness 1 is refused."""
+    cfg0 = RunConfig(steps=2, eval_every=0, checkpoint_every=0)
+    prep = prepare(request(tmp_path, flow=_flow(tmp_path), cluster="local:1", workload=WORKLOAD, config=cfg0))
+    assert prep.plan.staleness == 0 and prep.run.program.staleness == 0
+    saved = tmp_path / "plan.json"
+    saved.write_text(prep.plan.model_dump_json())
+    cfg1 = RunConfig(steps=2, eval_every=0, checkpoint_every=0, staleness=1)
+    with pytest.raises(SpecError, match=r"staleness=1 \(the plan's: 0\)"):
+        prepare(request(tmp_path, flow=_flow(tmp_path), cluster="local:1", config=cfg1, plan_file=str(saved), workload=None))
+    ahead = prepare(request(tmp_path, flow=_flow(tmp_path), cluster="local:1", workload=WORKLOAD, config=cfg1))
+    assert ahead.plan.staleness == 1 and ahead.run.program.staleness == 1

@@ -72,10 +72,14 @@ def test_default_grpo_runs_and_writes_the_run_directory(ray_cluster, tmp_path):
 
 @pytest.mark.parametrize("flow", [f for f in FLOWS if f != "grpo"])  # grpo: the default-run test above
 def test_every_example_runs(ray_cluster, tmp_path, flow):
-    cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0)
+    ahead = 1 if flow == "grpo_async" else 0  # the example whose loss lets its rollouts lag the trainer
+    cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0, staleness=ahead)
     out = run(request(tmp_path, flow=flow, steps=2, config=cfg, workload="prompts=8,prompt_len=8,response_len=6"), progress=False)
     rows = [r for r in metrics(out) if "step_s" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    if ahead:
+        assert [r["rollout/staleness"] for r in rows] == [0, 1]
+        assert rows[-1]["actor/mismatch_kl"] > 0 and "actor/is_cut_frac" in rows[-1]
     assert ("actor/dpo_loss" if flow == "dpo" else "actor/pg_loss") in rows[-1]
     if flow == "ppo":
         assert "critic/vf_loss" in rows[-1]

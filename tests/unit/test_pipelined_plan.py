@@ -1,0 +1,102 @@
+"""The planner's steady state of a loop whose rollouts lag the trainer (``--pin staleness=K``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flowc.errors import SpecError
+from flowc.ir.cluster import ClusterSpec
+from flowc.ir.models import ModelSpec
+from flowc.ir.plan_text import format_plan
+from flowc.ir.workload import WorkloadSpec
+from flowc.loader import load_flow
+from flowc.passes.pins import parse_pins, pins_from_plan
+from flowc.passes.pipeline import make_plan
+from flowc.passes.schedule import period
+
+FLOW = """
+import flowc as fc
+
+@fc.flow
+def decoupled(prompts: fc.Prompts, actor: fc.Policy, ref: fc.Reference, reward: fc.Reward, *, n: int = 8):
+    rollout = actor.generate(prompts, n=n)
+    old = actor.logprobs(rollout)
+    ref_logp = ref.logprobs(rollout)
+    adv = fc.ops.group_normalize(reward(rollout), group_size=n)
+    actor.update(rollout, advantages=adv, old_logprobs=old, ref_logprobs=ref_logp,
+                 loss=fc.losses.{loss}, kl_coef=0.001)
+"""
+WORKLOAD = WorkloadSpec(prompts=128, prompt_len=512, response_len=4096, mean_response_len=2000)
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory):
+    path = tmp_path_factory.mktemp("flow") / "decoupled.py"
+    path.write_text(FLOW.replace("{loss}", "decoupled_ppo(0.2)"))
+    return load_flow(str(path)).trace()
+
+
+def _plan(g, pins: list[str], cluster: str = "2x8xH100"):
+    m = ModelSpec.resolve("qwen2.5-7b")
+    plan, _, _ = make_plan(g, {"actor": m, "ref": m}, ClusterSpec.parse(cluster), WORKLOAD, parse_pins(pins))
+    return plan
+
+
+def test_period_is_the_iteration_lock_step_else_the_busiest_pool_or_the_shared_chain():
+    it = np.array([10.0, 10.0, 10.0])
+    busy = [np.array([6.0, 3.0, 9.0]), np.array([4.0, 2.0, 1.0])]
+    assert list(period(it, busy, 0)) == [10.0, 10.0, 10.0]
+    assert list(period(it, busy, 1)) == [6.0, 5.0, 9.0]  # busiest pool, chain 10/2, busiest pool
+    assert list(period(it, busy, 3)) == [6.0, 3.0, 9.0]  # chain 10/4 = 2.5 binds nowhere
+
+
+def test_separate_pools_overlap_generation_with_training(graph):
+    """On the same placement (pinned), staleness 1 takes the busiest pool's time per step, and one
+    of its iterations is exactly the lock-step plan's step."""
+    separate = ["colocate=actor.train,ref;actor.gen"]
+    lock = _plan(graph, separate)
+    ahead = _plan(graph, [*separate, "staleness=1"])
+    assert ahead.staleness == 1 and lock.staleness == 0 and lock.predicted.iteration_s is None
+    assert ahead.predicted.iteration_s == pytest.approx(lock.predicted.step_time_s, rel=1e-6)
+    busiest = max(p.busy_s for p in ahead.pools)
+    assert ahead.predicted.step_time_s == pytest.approx(max(busiest, lock.predicted.step_time_s / 2), rel=1e-4)
+    assert ahead.predicted.step_time_s < lock.predicted.step_time_s
+    assert ahead.predicted.tokens_per_s > lock.predicted.tokens_per_s
+    why = " ".join(ahead.why)
+    assert "Staleness 1: the rollouts of step s+1 are sampled while step s trains" in why and "lock-step throughput" in why
+    assert "pipelined: staleness 1" in format_plan(ahead)
+    assert pins_from_plan(ahead).staleness == 1  # re-planning a saved plan keeps it
+
+
+def test_one_shared_pool_gains_nothing(graph):
+    shared = ["colocate=actor.train,actor.gen,ref"]
+    lock, ahead = _plan(graph, shared), _plan(graph, [*shared, "staleness=2"])
+    assert ahead.predicted.step_time_s == pytest.approx(lock.predicted.step_time_s, rel=1e-6)
+    assert "no gain" in " ".join(ahead.why)
+
+
+@settings(max_examples=8, deadline=None)
+@given(k=st.integers(1, 3), cluster=st.sampled_from(["1x8xH100", "2x8xH100", "4x8xH20"]))
+def test_a_pipelined_plan_is_never_slower_than_lock_step_and_respects_its_bounds(graph, k, cluster):
+    """Every candidate's period is at most its iteration, so the search's best can only improve;
+    and the period is at least the busiest pool's time and the iteration over K+1."""
+    lock, ahead = _plan(graph, [], cluster), _plan(graph, [f"staleness={k}"], cluster)
+    p = ahead.predicted
+    assert p.step_time_s <= lock.predicted.step_time_s * (1 + 1e-6)
+    assert p.step_time_s >= max(x.busy_s for x in ahead.pools) * (1 - 1e-4)
+    assert p.step_time_s >= p.iteration_s / (k + 1) * (1 - 1e-6)
+    assert p.iteration_s >= p.step_time_s * (1 - 1e-6)
+
+
+def test_a_flow_without_a_correction_cannot_be_planned_ahead(tmp_path):
+    path = tmp_path / "plain.py"
+    path.write_text(FLOW.replace("{loss}", "ppo_clip(0.2)"))
+    g = load_flow(str(path)).trace()
+    with pytest.raises(SpecError, match="assumes on-policy samples") as e:
+        _plan(g, ["staleness=1"])
+    assert "decoupled_ppo" in e.value.fix
+    with pytest.raises(SpecError, match="whole number"):
+        parse_pins(["staleness=-1"])
