@@ -100,3 +100,34 @@ def test_a_flow_without_a_correction_cannot_be_planned_ahead(tmp_path):
     assert "decoupled_ppo" in e.value.fix
     with pytest.raises(SpecError, match="whole number"):
         parse_pins(["staleness=-1"])
+
+
+def test_flowc_plan_staleness_prints_the_lock_step_plan_beside_it():
+    """`flowc plan --staleness 1`: the pipelined plan, its why, and the best lock-step plan's step
+    time beside it; a flow whose loss does not correct for stale samples is refused with the fix."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flowc.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+    small = ["--model", "actor=Qwen/Qwen2.5-1.5B", "--model", "ref=Qwen/Qwen2.5-1.5B", "--cluster", "4x8xH100"]
+    small += ["--workload", "prompts=128,prompt_len=512,response_len=4096,mean_response_len=1200"]
+    r = cli("plan", "examples/grpo_async.py", *small, "--staleness", "1")
+    assert r.returncode == 0, r.stderr
+    assert "pipelined: staleness 1" in r.stdout and "in the steady state" in r.stdout
+    (ahead,) = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("staleness 1 ") and "s/step" in ln]
+    (lock,) = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("lock-step ")]
+
+    def per_step(line: str) -> float:
+        words = line.split()
+        return float(words[words.index("s/step") - 1])
+
+    assert "actor.gen ×" in ahead and "×32" in lock  # separate pools ahead, everything shared in lock-step
+    gain = float(r.stdout.rsplit("→ ", 1)[1].split("×")[0])
+    assert gain == pytest.approx(per_step(lock) / per_step(ahead), rel=0.01) and gain > 1.0
+    refused = cli("plan", "examples/grpo.py", *small, "--staleness", "1")
+    assert refused.returncode != 0
+    assert "assumes on-policy samples" in refused.stderr and "decoupled_ppo" in refused.stderr
