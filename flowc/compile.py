@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from flowc.errors import SpecError
+from flowc.errors import InfeasibleError, SpecError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.graph import FlowGraph
 from flowc.ir.lora import LoraConfig, check_lora_backend
@@ -79,7 +79,12 @@ def compile_plan(
                     f"or train every weight (drop optim.{r}.lora)",
                 )
         fitted, notes = fit_rollout(g, specs, target, pins)  # e.g. a head_dim vLLM's CPU build cannot run: hf
-        plan, _, _ = make_plan(g, specs, c, workload, fitted, target=target)
+        try:
+            plan, _, _ = make_plan(g, specs, c, workload, fitted, target=target)
+        except InfeasibleError:  # e.g. pins that need two pools: one worker cannot hold them, two may
+            if c is candidates[-1] and best is None:
+                raise
+            continue
         if notes:
             plan = plan.model_copy(update={"why": [*notes, *plan.why]})
         if best is None or plan.predicted.step_time_s < best.predicted.step_time_s:

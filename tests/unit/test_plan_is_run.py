@@ -70,3 +70,31 @@ def test_a_wrong_set_key_fails_before_planning():
         timeout=120,
     )
     assert r.returncode == 1 and "did you mean 'lr'" in r.stderr and "fix: valid keys: lr, lr_scheduler" in r.stderr
+
+
+def test_pins_that_need_two_pools_split_the_local_cores(monkeypatch):
+    """On this machine's CPUs the worker split is a decision too: a pin that puts generation in a
+    pool of its own cannot fit one worker, so the run plans two (it used to fail on the first
+    split tried)."""
+    import os
+
+    from flowc.compile import compile_plan
+    from flowc.errors import InfeasibleError
+    from flowc.ir.cluster import ClusterSpec
+    from flowc.ir.run_config import RunConfig
+    from flowc.ir.workload import WorkloadSpec
+    from flowc.loader import load_flow
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    g = load_flow(str(EXAMPLES / "grpo_async.py")).trace()
+    sources = {"actor": "flowc-tiny", "ref": "flowc-tiny"}
+    common = dict(rollout="hf", split_local=True)
+    wl = WorkloadSpec(prompts=64, prompt_len=8, response_len=6)
+    plan = compile_plan(
+        g, sources, ClusterSpec.local(2), wl, RunConfig(staleness=1), pin_words=["colocate=actor.train,ref;actor.gen"], **common
+    )
+    assert sorted(p.device_count for p in plan.pools) == [1, 1] and plan.staleness == 1
+    with pytest.raises(InfeasibleError, match="no co-location fits on 2 devices"):  # three pools: two cores cannot
+        compile_plan(
+            g, sources, ClusterSpec.local(2), wl, RunConfig(), pin_words=["colocate=actor.train;ref;actor.gen"], **common
+        )
