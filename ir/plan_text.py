@@ -119,7 +119,7 @@ def _reshards(plan: Plan) -> list[str]:
     rows = [
         [
             r.role,
-            f"{r.src} → {r.dst}",
+            f"{r.src} → {r.dst}" + (f" (≤{plan.staleness} behind)" if plan.staleness and r.dst_phase == "generate" else ""),
             r.method,
             f"{r.bytes_per_device / 1e9:.2f}",
             f"{r.lower_bound_bytes / 1e9:.2f}",

@@ -32,6 +32,7 @@ from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.targets import resolve
 from flowc.ir.verify import check_staleness, filter_region
+from flowc.runtime.ahead import issued_ahead
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.batches import (
     INLINE_BYTES,
@@ -321,7 +322,7 @@ class Controller:
     def _run_ahead(self, step: int) -> None:
         """Staleness K: issue the rollouts of steps up to ``step + K`` (within the run) before this
         step's weight sync, so the engine samples them while the trainer trains."""
-        for s in range(step + 1, min(step + self.p.staleness, self.cfg.steps - 1) + 1):
+        for s in issued_ahead(step, self.p.staleness, self.cfg.steps):
             if s not in self._ahead:
                 self._ahead[s] = self._rollouts(s)
 

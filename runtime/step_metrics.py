@@ -179,6 +179,13 @@ def step_metrics(
     m.update({f"timing_s/{op}": sec for op, sec in measured.items()})
     m["timing_s/step"] = wall
     m["perf/throughput"] = m["tokens_per_s"]
+    for grp in p.groups:  # each pool's share of the step: its ops one after another, as the plan's schedule
+        mine = [st for st in p.steps if st.group == grp.name]
+        busy = sum(measured.get(st.node, 0.0) for st in mine)
+        name = grp.name.replace("+", "_")  # (MLflow refuses "+" in a metric's name)
+        m[f"pool/{name}/busy_s"] = busy
+        m[f"pool/{name}/busy_predicted_s"] = sum(st.predicted_s for st in mine)
+        m[f"pool/{name}/idle_fraction"] = min(max(1.0 - busy / wall, 0.0), 1.0) if wall > 0 else 0.0
     # the controller's overhead: the step's wall time that no worker op or reward call covers
     # (Ray round trips, the object store, tokenising, the controller's own tensor work)
     covered = covered_seconds(tally.busy, tally.t0, tally.t0 + wall)

@@ -51,6 +51,9 @@ def test_rollouts_lag_the_trainer_by_at_most_k_versions(ray_cluster, tmp_path, k
     assert all(m["actor/mismatch_kl"] > 1e-6 for m in rows[1:])  # later steps with older ones
     assert all(m["actor/sync_probe_diff"] < 1e-5 for m in rows)
     assert all(m["actor/is_weight"] > 0 for m in rows)
+    for pool in ("actor.gen", "actor.train"):  # each pool's measured share of the step, beside the plan's
+        assert all(m[f"pool/{pool}/busy_s"] > 0 and m[f"pool/{pool}/busy_predicted_s"] > 0 for m in rows)
+        assert all(0.0 <= m[f"pool/{pool}/idle_fraction"] <= 1.0 for m in rows)
 
 
 def test_the_lock_step_run_is_unchanged_by_the_pipeline(ray_cluster, tmp_path):

@@ -118,6 +118,7 @@ def test_flowc_plan_staleness_prints_the_lock_step_plan_beside_it():
     r = cli("plan", "examples/grpo_async.py", *small, "--staleness", "1")
     assert r.returncode == 0, r.stderr
     assert "pipelined: staleness 1" in r.stdout and "in the steady state" in r.stdout
+    assert "actor.update → actor.generate (≤1 behind)" in r.stdout  # the weight edge shows how far it lags
     (ahead,) = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("staleness 1 ") and "s/step" in ln]
     (lock,) = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("lock-step ")]
 
