@@ -184,12 +184,11 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
     out: Annotated[str | None, typer.Option("--out", "-o", help="Also save the plan as JSON to this path.")] = None,
     staleness: Annotated[
-        int | None,
+        str | None,
         typer.Option(
             "--staleness",
-            min=0,
             help="Plan a loop whose rollouts lag the trainer by up to K weight versions (its steady state), "
-            "and compare it with the best lock-step plan. Same as --pin staleness=K.",
+            "and compare it with the best lock-step plan; auto: the planner chooses K. Same as --pin staleness=K.",
         ),
     ] = None,
 ) -> None:
@@ -230,7 +229,7 @@ def plan(
         typer.echo(p.to_json())
     else:
         typer.echo(format_plan(p), nl=False)
-        if staleness:
+        if p.staleness:
             typer.echo(
                 _beside_lock_step(p, _plan(file, overrides, model, cluster, workload, lock_step_pins, plan_file, for_run)[0])
             )
@@ -385,12 +384,12 @@ def run(
         ),
     ] = None,
     staleness: Annotated[
-        int | None,
+        str | None,
         typer.Option(
             "--staleness",
-            min=0,
             help="Weight versions the rollouts may lag the trainer: 0 (default) lock-step, 1 one-step-off, K: the engine "
-            "samples K steps ahead (needs an off-policy correction in the loss; docs/async.md). Same as --set staleness=K.",
+            "samples K steps ahead (needs an off-policy correction in the loss; docs/async.md); auto: the planner "
+            "chooses. Same as --set staleness=K.",
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,

@@ -50,12 +50,12 @@ def compile_plan(
     user = parse_pins(pin_words)
     check_backend_pins(user, kind)
     loras = lora_roles(g, config, user)
-    if config.staleness and user.staleness is not None and user.staleness != config.staleness:
+    if config.staleness != 0 and user.staleness is not None and user.staleness != config.staleness:
         raise SpecError(
             f"--pin staleness={user.staleness} and staleness={config.staleness} in the run config disagree",
             fix="give the staleness once (--staleness K)",
         )
-    if config.staleness:  # the run's staleness is a decision of its plan: priced, then executed
+    if config.staleness != 0:  # the run's staleness is a decision of its plan: priced, then executed
         user = user.merged(Pins(staleness=config.staleness))
     pins = runtime_pins(kind).merged(user)
     if loras:  # only fsdp2 trains LoRA adapters: the planner chooses among its layouts for those roles
@@ -154,7 +154,7 @@ def saved_conflicts(plan: Plan, *, workload: str | None, pins: list[str], rollou
         out.append(f"--workload {workload} (the plan's: {WorkloadSpec(**plan.workload).model_dump(exclude_defaults=True)})")
     if pins:
         out.append(f"--pin {' '.join(pins)} (a saved plan fixes every decision)")
-    if "staleness" in config.model_fields_set and config.staleness != plan.staleness:
+    if "staleness" in config.model_fields_set and config.staleness not in ("auto", plan.staleness):
         out.append(f"staleness={config.staleness} (the plan's: {plan.staleness})")
     gens = {pp.layout.backend for rp in plan.roles.values() for ph, pp in rp.phases.items() if ph == "generate"}
     if rollout is not None and gens and gens != {rollout}:

@@ -8,7 +8,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -115,7 +115,9 @@ class RunConfig(BaseModel):
             default). With K ≥ 1 the generation engine samples step s+K's rollouts while the
             trainer trains step s (one-step-off at K = 1): its samples come from weights up to K
             updates old, so every policy loss must carry an off-policy correction
-            (``fc.losses.decoupled_ppo`` or ``correction=fc.losses.tis(…)``). See docs/async.md.
+            (``fc.losses.decoupled_ppo`` or ``correction=fc.losses.tis(…)``). ``"auto"``: the
+            planner chooses it with the placement (lock-step for a loss without a correction).
+            See docs/async.md.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -138,7 +140,7 @@ class RunConfig(BaseModel):
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
     sync_check: bool = True
     sync_check_tol: float | None = Field(None, gt=0)
-    staleness: int = Field(0, ge=0, le=16)
+    staleness: Annotated[int, Field(ge=0, le=16)] | Literal["auto"] = 0
 
     def optim_for(self, role: str) -> OptimConfig:
         return self.optim.get(role, self.default_optim)

@@ -20,7 +20,7 @@ with ``--plan saved.json`` reproduces it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -78,8 +78,9 @@ class Pins(BaseModel):
     colocate: list[list[str]] | None = None
     reshard: dict[str, ReshardMethod] = {}
     # weight versions the rollouts may lag the trainer (runtime RunConfig.staleness): the plan prices
-    # the pipelined loop's steady state (schedule.simulate); None: lock-step
-    staleness: int | None = Field(None, ge=0, le=16)
+    # the pipelined loop's steady state (schedule.simulate); "auto": the planner chooses
+    # (pipeline.make_plan); None: lock-step
+    staleness: Annotated[int, Field(ge=0, le=16)] | Literal["auto"] | None = None
     # What the runtime executes, set by its registry (not by users): the backends
     # that run on the cluster's devices (None: any), and per backend the fields a
     # layout on it must have (limits[B]; fsdp2: tp=pp=cp=ep=1).
@@ -192,7 +193,7 @@ def parse_pin(text: str) -> Pins:
         try:
             return Pins(staleness=_value(raw))
         except ValidationError as e:
-            raise SpecError(f"pin {text!r}: staleness is a whole number of weight versions, 0 to 16") from e
+            raise SpecError(f"pin {text!r}: staleness is a whole number of weight versions, 0 to 16, or auto") from e
     parts = key.split(".")
     if parts[0] == "reshard" and len(parts) == 2:
         try:

@@ -190,7 +190,10 @@ def make_plan(
 ) -> tuple[Plan, FlowGraph, PlanContext]:
     """Plan one flow: returns the plan, the planned graph and the context
     (timings, cost tables) for inspection. ``target`` defaults to the cluster's
-    (:meth:`Target.of`); ``verify_each`` to ``FLOWC_VERIFY_EACH=1``."""
+    (:meth:`Target.of`); ``verify_each`` to ``FLOWC_VERIFY_EACH=1``. A ``staleness`` pin of
+    ``"auto"``: the planner chooses it (:func:`choose_staleness`)."""
+    if pins is not None and pins.staleness == "auto":
+        return choose_staleness(g, models, cluster, workload, pins, target=target, verify_each=verify_each)
     ctx = PlanContext(
         models=models,
         cluster=cluster,
@@ -201,6 +204,46 @@ def make_plan(
     )
     planned = PassManager(PIPELINE).run(g, ctx)
     return ctx.plan, planned, ctx
+
+
+AUTO_STALENESS = (0, 1, 2, 4)  # the staleness bounds the planner chooses among
+AUTO_TOLERANCE = 0.02  # a larger K must be this much faster: older samples cost learning
+
+
+def choose_staleness(
+    g: FlowGraph,
+    models: dict[str, ModelSpec],
+    cluster: ClusterSpec,
+    workload: WorkloadSpec,
+    pins: Pins,
+    *,
+    target: Target | None = None,
+    verify_each: bool | None = None,
+) -> tuple[Plan, FlowGraph, PlanContext]:
+    """Plan the flow at each staleness of :data:`AUTO_STALENESS` its loss allows (placement and
+    staleness together) and keep the smallest K whose step is within :data:`AUTO_TOLERANCE` of the
+    fastest; lock-step only when the flow cannot run ahead (``check_staleness``: why says so)."""
+    try:
+        check_staleness(g, 1)
+        ks, reason = AUTO_STALENESS, None
+    except SpecError as e:
+        ks, reason = (0,), e.what
+    tried = [
+        (k, make_plan(g, models, cluster, workload, pins.merged(Pins(staleness=k)), target=target, verify_each=verify_each))
+        for k in ks
+    ]
+    fastest = min(r[0].predicted.step_time_s for _, r in tried)
+    k, best = next((k, r) for k, r in tried if r[0].predicted.step_time_s <= fastest * (1 + AUTO_TOLERANCE))
+    if reason is not None:
+        line = f"Staleness (auto): 0, lock-step — this flow cannot run ahead: {reason}."
+    else:
+        each = ", ".join(f"{k} → {r[0].predicted.step_time_s:.3g} s" for k, r in tried)
+        line = (
+            f"Staleness (auto): {k} — step time by staleness: {each}; the smallest within"
+            f" {AUTO_TOLERANCE:.0%} of the fastest (a larger K only makes the samples older)."
+        )
+    plan, planned, ctx = best
+    return plan.model_copy(update={"why": [line, *plan.why]}), planned, ctx
 
 
 # ------------------------------------------------------------------- checks

@@ -132,3 +132,44 @@ def test_flowc_plan_staleness_prints_the_lock_step_plan_beside_it():
     refused = cli("plan", "examples/grpo.py", *small, "--staleness", "1")
     assert refused.returncode != 0
     assert "assumes on-policy samples" in refused.stderr and "decoupled_ppo" in refused.stderr
+
+
+def test_auto_staleness_takes_the_smallest_k_within_tolerance_of_the_fastest(graph):
+    """`staleness=auto`: placement and staleness chosen together — the plan is the one pinned at
+    the chosen K, every larger K is no more than the tolerance faster, and why lists them all."""
+    from flowc.passes.pipeline import AUTO_STALENESS, AUTO_TOLERANCE
+
+    m = ModelSpec.resolve("qwen2.5-1.5b")
+    wl = WorkloadSpec(prompts=128, prompt_len=512, response_len=4096, mean_response_len=1200)
+    cluster = ClusterSpec.parse("4x8xH100")
+
+    def plan(pins: list[str]):
+        return make_plan(graph, {"actor": m, "ref": m}, cluster, wl, parse_pins(pins))[0]
+
+    auto = plan(["staleness=auto"])
+    steps = {k: plan([f"staleness={k}"]).predicted.step_time_s for k in AUTO_STALENESS}
+    assert auto.staleness == 1 and steps[0] > steps[1] * (1 + AUTO_TOLERANCE)  # lock-step is slower here
+    assert auto.predicted.step_time_s == pytest.approx(steps[1])
+    assert auto.staleness == min(k for k in AUTO_STALENESS if steps[k] <= min(steps.values()) * (1 + AUTO_TOLERANCE))
+    assert auto.why[0].startswith("Staleness (auto): 1 — step time by staleness: 0 → ")
+    assert pins_from_plan(auto).staleness == 1  # a saved plan fixes the chosen K
+
+
+def test_auto_staleness_is_lock_step_for_a_loss_without_a_correction(tmp_path):
+    path = tmp_path / "naive.py"
+    path.write_text(FLOW.replace("{loss}", "ppo_clip(0.2)"))
+    g = load_flow(str(path)).trace()
+    p = _plan(g, ["staleness=auto"])
+    assert p.staleness == 0 and p.predicted.iteration_s is None
+    assert p.why[0].startswith("Staleness (auto): 0, lock-step — this flow cannot run ahead:") and "assumes on-policy" in p.why[0]
+
+
+def test_run_config_takes_a_staleness_or_auto():
+    from pydantic import ValidationError
+
+    from flowc.ir.run_config import RunConfig
+
+    assert RunConfig(staleness="auto").staleness == "auto" and RunConfig(staleness=2).staleness == 2
+    for bad in ("soon", 17, -1):
+        with pytest.raises(ValidationError):
+            RunConfig(staleness=bad)
