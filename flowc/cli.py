@@ -205,9 +205,9 @@ def plan(
     from flowc.ir.plan_text import format_plan
 
     t0 = time.perf_counter()
-    lock_step_pins = list(pin or [])
+    lock_step_pins = [*(pin or []), "staleness=0"]  # the comparison's: the user's pins, lock-step (last wins)
     if staleness:
-        pin = [*lock_step_pins, f"staleness={staleness}"]
+        pin = [*(pin or []), f"staleness={staleness}"]
     if _previews_run(cluster, model, plan_file) or data or config or sets or reward or rollout:
         if plan_file:
             raise FlowcError(

@@ -50,12 +50,13 @@ def compile_plan(
     user = parse_pins(pin_words)
     check_backend_pins(user, kind)
     loras = lora_roles(g, config, user)
-    if config.staleness != 0 and user.staleness is not None and user.staleness != config.staleness:
+    asked = "staleness" in config.model_fields_set  # (an explicit 0 counts)
+    if asked and user.staleness is not None and user.staleness != config.staleness:
         raise SpecError(
             f"--pin staleness={user.staleness} and staleness={config.staleness} in the run config disagree",
             fix="give the staleness once (--staleness K)",
         )
-    if config.staleness != 0:  # the run's staleness is a decision of its plan: priced, then executed
+    if asked:  # the run's staleness is a decision of its plan: priced, then executed
         user = user.merged(Pins(staleness=config.staleness))
     pins = runtime_pins(kind).merged(user)
     if loras:  # only fsdp2 trains LoRA adapters: the planner chooses among its layouts for those roles

@@ -122,11 +122,12 @@ def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
         if pred.iteration_s is None or abs(end - pred.iteration_s) > 1e-3 * max(1.0, end):
             raise VerificationError(f"predicted iteration {pred.iteration_s} s is not the schedule's end {end} s")
         busiest = max((p.busy_s for p in plan.pools), default=0.0)
-        low = max(busiest, end / (plan.staleness + 1))
-        if not low * (1 - 1e-3) <= pred.step_time_s <= end * (1 + 1e-3):
+        rollouts = max((e.end_s for e in plan.schedule if e.phase == "generate"), default=0.0)
+        low = max(busiest, end - rollouts)  # the busiest pool, or the rest of the iteration after its rollouts
+        if not low * (1 - 1e-3) - 1e-6 <= pred.step_time_s <= end * (1 + 1e-3):
             raise VerificationError(
                 f"predicted step {pred.step_time_s} s of a loop {plan.staleness} version(s) ahead is outside"
-                f" [{low:.6g}, {end:.6g}] s (the busiest pool or the iteration over {plan.staleness + 1}, one iteration)"
+                f" [{low:.6g}, {end:.6g}] s (the busiest pool or the iteration after its rollouts, one iteration)"
             )
     elif abs(end - pred.step_time_s) > 1e-3 * max(1.0, end):
         raise VerificationError(f"predicted step {pred.step_time_s} s is not the schedule's end {end} s")

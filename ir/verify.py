@@ -219,7 +219,7 @@ def check_staleness(g: FlowGraph, k: int) -> None:
     corrects for the samples' older policy (``correction=``; ``fc.losses.decoupled_ppo``).
     Raises :class:`SpecError` naming what fails, with the fix."""
     from flowc.errors import SpecError
-    from flowc.ir.losses import DPO
+    from flowc.ir.losses import DPO, PPOClip
 
     if k <= 0:
         return
@@ -255,4 +255,12 @@ def check_staleness(g: FlowGraph, k: int) -> None:
                 fix="weigh the samples by the trainer's over the engine's probability: loss=fc.losses.decoupled_ppo(clip)"
                 " with old_logprobs=actor.logprobs(rollout), or loss=fc.losses.ppo_clip(clip, correction=fc.losses.tis(2.0)),"
                 f" {lock_step}",
+            )
+        if isinstance(loss, PPOClip) and n.kwargs.get("old_logprobs") is None:
+            raise SpecError(
+                f"staleness={k}: {n.id}(loss={loss}) has no old_logprobs, so its ratio is taken against the policy being"
+                " trained (1 at the first step): no trust region around the samples' policy, which lags by up to"
+                f" {k} versions",
+                fix=f"give the trainer's log-probabilities before the update: old_logprobs={n.role}.logprobs(rollout)"
+                " (the proximal policy of decoupled PPO)",
             )

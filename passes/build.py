@@ -34,7 +34,7 @@ from flowc.passes.flops import forward_flops, useful_train_flops
 from flowc.passes.manager import PlanContext
 from flowc.passes.pools import MAX_UTILIZATION, MIN_UTILIZATION, PoolChoice, takes_device_share
 from flowc.passes.reshard import lower_bound_bytes
-from flowc.passes.schedule import OpSpec, SyncSpec, simulate
+from flowc.passes.schedule import SyncSpec, simulate
 from flowc.passes.search import Candidate, cross_pool_sync
 from flowc.passes.units import Unit, gen_unit, train_unit
 
@@ -252,7 +252,7 @@ def timeline(
     winner): the step time (with staleness, the pipelined period), one iteration's
     span, its entries, and the pools with their busy time."""
     units = {u.name: u for u in ctx.units}
-    ops = [OpSpec(o.id, pl.pool_of_unit[ctx.unit_of_op[o.id]] if o.pool is not None else None, o.deps) for o in ctx.ops]
+    ops = [replace(o, pool=pl.pool_of_unit[ctx.unit_of_op[o.id]] if o.pool is not None else None) for o in ctx.ops]
     times = {op: np.array([t]) for c in pl.cand.choices for op, t in c.op_times.items()}
     syncs, sync_times = [], {}
     for r in rs:

@@ -213,13 +213,19 @@ def pipelined_note(k: int, plan_body: dict) -> list[str]:
     if busiest.busy_s >= step * 0.999:
         bound = f"pool {busiest.name} is busy all of it (its ops and weight syncs of one step)"
     else:
-        bound = f"one iteration's chain of dependencies spread over {k + 1} steps"
+        bound = "the rest of the iteration after its rollouts (a later step's rollouts are generated meanwhile)"
     gain = f"{it / step:.2f}× the lock-step throughput" if step > 0 else "no gain"
     head = f"Staleness {k}: the rollouts of step s+{k} are sampled while step s trains"
     if it <= step * 1.001:
         return [f"{head}, but every pool runs its share one after another here: {step:.2f} s per step either way (no gain)."]
+    more = (
+        f" A staleness of {k} overlaps no more than 1 does: the runtime waits for each step's weight sync, so only"
+        " one later generate runs beside each step; the samples are only older."
+        if k > 1
+        else ""
+    )
     return [
-        f"{head}: {step:.2f} s per step in the steady state — {bound} — against {it:.2f} s for one lock-step iteration on this placement ({gain})."
+        f"{head}: {step:.2f} s per step in the steady state — {bound} — against {it:.2f} s for one lock-step iteration on this placement ({gain}).{more}"
     ]
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowc.ir.graph import FlowGraph
-from flowc.ir.ops import MODEL_OPS, weight_sync_id
+from flowc.ir.ops import MODEL_OPS, Op, weight_sync_id
 from flowc.ir.types import nbytes
 
 
@@ -31,6 +31,7 @@ class OpSpec:
     id: str
     pool: int | None  # None: runs on the controller
     deps: tuple[tuple[str, float], ...]  # (producer, bytes moved)
+    ahead: bool = False  # a generate: with staleness ≥ 1 issued during an earlier step
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def op_specs(g: FlowGraph, unit_of_op: dict[str, str], pool_of_unit: dict[str, i
         deps: dict[str, float] = {}
         for e in g.inputs(n.id):
             deps[e.src] = deps.get(e.src, 0.0) + float(nbytes(e.type, env))
-        out.append(OpSpec(n.id, pool, tuple(sorted(deps.items()))))
+        out.append(OpSpec(n.id, pool, tuple(sorted(deps.items())), n.op == Op.GENERATE))
     return out
 
 
@@ -76,6 +77,7 @@ def simulate(
     n = len(next(iter(pool_sizes))) if pool_sizes else 1
     free = [np.zeros(n) for _ in pool_sizes]
     busy = [np.zeros(n) for _ in pool_sizes]
+    rollouts = np.zeros(n)  # when the iteration's generates are done
     finish: dict[str, np.ndarray] = {}
     spans: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     pool_of = {o.id: o.pool for o in ops}
@@ -99,6 +101,8 @@ def simulate(
         else:
             end = start + (dur if dur is not None else 0.0)
         finish[o.id] = end
+        if o.ahead:
+            rollouts = np.maximum(rollouts, end)
         if record:
             spans[o.id] = (start, end)
     step = np.max(np.stack(list(finish.values())), axis=0) if finish else np.zeros(n)
@@ -113,20 +117,23 @@ def simulate(
         step = np.maximum(step, end)
         if record:
             spans[s.id] = (start, end)
-    return period(step, busy, staleness), spans, busy
+    return period(step, busy, staleness, rollouts), spans, busy
 
 
-def period(iteration: np.ndarray, busy: list[np.ndarray], staleness: int) -> np.ndarray:
+def period(iteration: np.ndarray, busy: list[np.ndarray], staleness: int, rollouts: np.ndarray | float = 0.0) -> np.ndarray:
     """The steady-state time per step of a loop whose rollouts may lag the trainer by ``staleness``
-    (K) weight versions. Step s+K's generate waits only for step s−1's weight sync, so K+1
-    iterations share one chain of dependencies (generate → … → update → sync → the generate K+1
-    steps later): a step takes at least ``iteration / (K+1)``; and every pool runs its own ops and
-    syncs of each step one after another: at least the busiest pool's time. Lock-step (K = 0) is
-    the iteration itself. Co-located on one pool, the busiest pool is the whole iteration: the
-    asynchrony buys nothing there."""
+    (K ≥ 1) weight versions, as the runtime runs it: during step s the rollout engine generates a
+    later step's rollouts while the rest of step s — everything after its rollouts are ready, at
+    ``rollouts`` into the iteration — runs, and the step ends when both are done (the controller
+    waits for step s's weight sync, which the engine runs after the generates issued before it).
+    So a step takes the longer of the rest of the iteration (``iteration − rollouts``) and the
+    busiest pool's ops and syncs of one step. That holds for every K ≥ 1: one later generate
+    overlaps each step, a larger K only makes the samples older (and absorbs step-to-step
+    variance, which this model does not price). Lock-step (K = 0) is the iteration itself;
+    co-located on one pool, the busiest pool is the whole iteration: no gain."""
     if staleness <= 0:
         return iteration
-    out = iteration / (staleness + 1)
+    out = iteration - rollouts
     for b in busy:
         out = np.maximum(out, b)
     return out

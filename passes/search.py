@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -220,7 +220,7 @@ class Searcher:
     def score(self, part, sizes: np.ndarray) -> tuple[np.ndarray, list]:
         times, sync_times, syncs, choices, _ = self._arrays(part, sizes)
         pool_of_unit = {u: i for i, b in enumerate(part) for u in b}
-        ops = [OpSpec(o.id, pool_of_unit[self.unit_of_op[o.id]] if o.pool is not None else None, o.deps) for o in self.ops]
+        ops = [replace(o, pool=pool_of_unit[self.unit_of_op[o.id]] if o.pool is not None else None) for o in self.ops]
         step, _, _ = simulate(
             ops,
             syncs,

@@ -129,11 +129,10 @@ class Controller:
         check_response_lengths(self.p, self.cfg)
         self._behaviour = behaviour_comparable(self.p, self.cfg)
         check_staleness(self.p.graph, self.p.staleness)  # a saved plan's too
-        # staleness K: the iterations whose rollouts were issued ahead (step → its Iteration), and the
-        # weight version each step's rollouts were sampled with (the syncs issued before them)
+        # staleness K: the iterations whose rollouts were issued ahead (step → its Iteration)
         self._ahead: dict[int, Iteration] = {}
-        self._version: dict[int, int] = {}
-        self._synced = 0  # the steps whose weight syncs have been issued: the version a generate issued now samples with
+        # a rollout engine's weight version is this plus the syncs it reports it has loaded (a resume's restore: its step − 1)
+        self._load_base = 0
         self.rewards = Rewards(
             spec.rewards,
             spec.reward_names,
@@ -287,19 +286,33 @@ class Controller:
             else:
                 self._exec(st, it)
         m = step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
-        if self.p.staleness:
-            lag = step - self._version.pop(step)
-            if lag > self.p.staleness:  # the actor call order makes this impossible; a broken order must not pass
-                raise RuntimeFailure(
-                    f"step {step + 1} trained on rollouts {lag} weight versions old, over staleness={self.p.staleness}"
-                )
-            m["rollout/staleness"] = lag
-        self._synced = step + 1
+        self._check_lag(step, it, m)
         for st in self.p.steps_of(Op.WEIGHT_SYNC):  # (waited for already: the metrics read every op's results)
             diff = self._check_sync(st, self._wait(st, it.metas[st.node], "weight sync"), step)
             if diff is not None:
                 m[f"{st.engine.role}/sync_probe_diff"] = diff
         return m
+
+    def _check_lag(self, step: int, it: Iteration, m: dict[str, Any]) -> None:
+        """How many weight versions behind the trainer each synced rollout engine sampled this step's
+        rollouts, from the syncs the engine itself reports it had loaded: 0 lock-step, at most the
+        staleness K (``rollout/staleness``); anything else fails the run (a sync that did not reach
+        the engine, or calls that ran out of order)."""
+        synced = {st.args["to"] for st in self.p.steps_of(Op.WEIGHT_SYNC)}
+        for st in self.p.steps_of(Op.GENERATE):
+            if st.engine not in synced or st.node not in it.metas:
+                continue
+            loaded = first(self._wait(st, it.metas[st.node], "generate"), "weights_loaded")
+            lag = step - (self._load_base + int(loaded or 0))
+            if not 0 <= lag <= self.p.staleness:
+                raise RuntimeFailure(
+                    f"step {step + 1}: {st.node} sampled with weight version {step - lag} (its engine had loaded"
+                    f" {loaded} weight syncs), {lag} version(s) behind the trainer; staleness={self.p.staleness} allows 0"
+                    f"{f' to {self.p.staleness}' if self.p.staleness else ''}",
+                    fix="this is a flowc bug (a weight sync that did not reach the engine, or calls out of order); report it",
+                )
+            if self.p.staleness:
+                m["rollout/staleness"] = lag
 
     def _check_sync(self, st: Step, metas: list[dict[str, Any]], step: int) -> float | None:
         """The sync's probe check (``runtime.sync_check``); None when the run does not check."""
@@ -316,7 +329,6 @@ class Controller:
         for st in self.p.steps:
             if st.op in (Op.INPUT, Op.GENERATE) and (st.op == Op.INPUT or self.p.staleness):
                 self._exec(st, it)
-        self._version[step] = self._synced
         return it
 
     def _run_ahead(self, step: int) -> None:
@@ -624,7 +636,7 @@ class Controller:
         for st in self.p.steps_of(Op.WEIGHT_SYNC):  # the rollout engines get the restored weights (checked)
             self._check_sync(st, self._wait(st, self._sync(st), "weight sync"), int(state.get("step", 0)) - 1)
         self.history = state.get("metrics", [])
-        self._synced = int(state.get("step", 0))
+        self._load_base = int(state.get("step", 0)) - (1 if self.p.steps_of(Op.WEIGHT_SYNC) else 0)  # one load: the restore
         return state
 
     def export_policy(self, path: Path) -> None:

@@ -49,6 +49,7 @@ class Worker:
         torch.set_num_threads(threads)
         self.group, self.rank, self.world, self.timeout = group, rank, world, timeout_s
         self.engines: dict[EngineKey, Any] = {}
+        self._loads: dict[EngineKey, int] = {}  # weight syncs each rollout engine has loaded (its weight version)
         self._ops: dict[Op, Callable[..., tuple[Any, dict[str, Any]]]] = {
             Op.GENERATE: self._generate,
             Op.LOGPROBS: self._forward,
@@ -117,6 +118,8 @@ class Worker:
             raise RuntimeFailure(f"a worker cannot run op {op!r}") from None
         values = {name: self._fetch(p) for name, p in inputs.items()}
         bulk, meta = handler(self.engines[key], values, args)
+        if handler == self._generate:  # the weights it sampled with, as the engine counts them
+            meta["weights_loaded"] = self._loads.get(key, 0)
         meta["seconds"] = time.perf_counter() - t0
         meta["start"] = start
         if torch.cuda.is_available():  # the whole device's use (vLLM's own allocations included)
@@ -159,6 +162,8 @@ class Worker:
         eng = self.engines[src]
         stream = eng.weights()
         copied = self.engines[dst].load(stream) if dst in self.engines else 0.0
+        if dst in self.engines:
+            self._loads[dst] = self._loads.get(dst, 0) + 1
         _drain(stream)  # a rank without a rollout engine still takes part in the collectives
         out = {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0, "start": start}
         if probe is not None:
@@ -188,6 +193,7 @@ class Worker:
         start, t0 = time.time(), time.perf_counter()
         stream = (pair for ref in refs for pair in ray.get(ref, timeout=self.timeout).items())
         received = self.engines[dst].load(stream)
+        self._loads[dst] = self._loads.get(dst, 0) + 1
         out = {"bytes": received, "buckets": len(refs), "seconds": time.perf_counter() - t0, "start": start}
         if probe is not None:
             out["probe_engine"] = _probe_of(self.engines[dst].logprobs(probe), probe)

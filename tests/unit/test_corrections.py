@@ -153,3 +153,22 @@ def test_a_generate_step_samples_with_the_config_under_the_flows_keywords():
     assert sp.greedy and sp.top_p == 0.9 and sp.max_tokens == 8  # temperature 0 is greedy wherever it is given
     warm = sampling_of(SimpleNamespace(args={"temperature": 0.8}), RunConfig(sampling=SamplingParams(temperature=0.0)))
     assert not warm.greedy and warm.temperature == 0.8  # the flow's temperature wins over the config's greedy
+
+
+def test_the_sync_check_fails_an_engine_off_the_trainer_or_unchanged_while_the_trainer_moved():
+    from flowc.errors import RuntimeFailure
+    from flowc.runtime.sync_check import SyncCheck
+
+    check = SyncCheck("actor", tol=0.1, dtype="bfloat16")
+    assert check(0, [-1.0, -2.0], [-1.05, -2.0]) == pytest.approx(0.025)  # within bf16's tolerance
+    assert check(1, [-1.2, -2.1], [-1.22, -2.12]) == pytest.approx(0.02)
+    with pytest.raises(RuntimeFailure, match="kept its old weights"):  # within 0.1, but bit for bit the old scores
+        check(2, [-1.25, -2.15], [-1.22, -2.12])
+    fresh = SyncCheck("actor", tol=1e-3, dtype="float32")
+    with pytest.raises(RuntimeFailure, match=r"differ from the trainer's by 0\.5 per token"):
+        fresh(0, [-1.0, -2.0], [-1.5, -2.5])
+    with pytest.raises(RuntimeFailure, match="returned no probe from the generation engine"):
+        fresh(0, [-1.0], None)
+    quiet = SyncCheck("actor", tol=0.1, dtype="bfloat16")
+    quiet(0, [-1.0], [-1.0])
+    assert quiet(1, [-1.00001], [-1.0]) < 1e-4  # the trainer barely moved: an unchanged engine is no evidence

@@ -45,12 +45,13 @@ def _plan(g, pins: list[str], cluster: str = "2x8xH100"):
     return plan
 
 
-def test_period_is_the_iteration_lock_step_else_the_busiest_pool_or_the_shared_chain():
+def test_period_is_the_iteration_lock_step_else_the_busiest_pool_or_the_rest_after_the_rollouts():
     it = np.array([10.0, 10.0, 10.0])
     busy = [np.array([6.0, 3.0, 9.0]), np.array([4.0, 2.0, 1.0])]
-    assert list(period(it, busy, 0)) == [10.0, 10.0, 10.0]
-    assert list(period(it, busy, 1)) == [6.0, 5.0, 9.0]  # busiest pool, chain 10/2, busiest pool
-    assert list(period(it, busy, 3)) == [6.0, 3.0, 9.0]  # chain 10/4 = 2.5 binds nowhere
+    rollouts = np.array([4.0, 7.0, 0.5])  # when each candidate's generates are done
+    assert list(period(it, busy, 0, rollouts)) == [10.0, 10.0, 10.0]
+    assert list(period(it, busy, 1, rollouts)) == [6.0, 3.0, 9.5]  # rest 6 = pool 6; pool 3 > rest 3? equal; rest 9.5
+    assert list(period(it, busy, 3, rollouts)) == list(period(it, busy, 1, rollouts))  # one later generate per step, any K
 
 
 def test_separate_pools_overlap_generation_with_training(graph):
@@ -62,7 +63,8 @@ def test_separate_pools_overlap_generation_with_training(graph):
     assert ahead.staleness == 1 and lock.staleness == 0 and lock.predicted.iteration_s is None
     assert ahead.predicted.iteration_s == pytest.approx(lock.predicted.step_time_s, rel=1e-6)
     busiest = max(p.busy_s for p in ahead.pools)
-    assert ahead.predicted.step_time_s == pytest.approx(max(busiest, lock.predicted.step_time_s / 2), rel=1e-4)
+    rollouts = max(e.end_s for e in ahead.schedule if e.phase == "generate")
+    assert ahead.predicted.step_time_s == pytest.approx(max(busiest, ahead.predicted.iteration_s - rollouts), rel=1e-4)
     assert ahead.predicted.step_time_s < lock.predicted.step_time_s
     assert ahead.predicted.tokens_per_s > lock.predicted.tokens_per_s
     why = " ".join(ahead.why)
@@ -82,13 +84,16 @@ def test_one_shared_pool_gains_nothing(graph):
 @given(k=st.integers(1, 3), cluster=st.sampled_from(["1x8xH100", "2x8xH100", "4x8xH20"]))
 def test_a_pipelined_plan_is_never_slower_than_lock_step_and_respects_its_bounds(graph, k, cluster):
     """Every candidate's period is at most its iteration, so the search's best can only improve;
-    and the period is at least the busiest pool's time and the iteration over K+1."""
+    the period is at least the busiest pool's time and the rest of the iteration after its
+    rollouts; and every K ≥ 1 prices the same (one later generate overlaps each step)."""
     lock, ahead = _plan(graph, [], cluster), _plan(graph, [f"staleness={k}"], cluster)
     p = ahead.predicted
     assert p.step_time_s <= lock.predicted.step_time_s * (1 + 1e-6)
     assert p.step_time_s >= max(x.busy_s for x in ahead.pools) * (1 - 1e-4)
-    assert p.step_time_s >= p.iteration_s / (k + 1) * (1 - 1e-6)
+    assert p.step_time_s >= (p.iteration_s - max(e.end_s for e in ahead.schedule if e.phase == "generate")) * (1 - 1e-6)
     assert p.iteration_s >= p.step_time_s * (1 - 1e-6)
+    if k > 1:
+        assert p.step_time_s == pytest.approx(_plan(graph, ["staleness=1"], cluster).predicted.step_time_s, rel=1e-9)
 
 
 def test_a_flow_without_a_correction_cannot_be_planned_ahead(tmp_path):
@@ -100,6 +105,22 @@ def test_a_flow_without_a_correction_cannot_be_planned_ahead(tmp_path):
     assert "decoupled_ppo" in e.value.fix
     with pytest.raises(SpecError, match="whole number"):
         parse_pins(["staleness=-1"])
+
+
+def test_a_clipped_loss_without_old_logprobs_cannot_run_ahead(tmp_path):
+    """decoupled PPO's clip needs the proximal policy: without old_logprobs the ratio is against the
+    policy being trained, so nothing bounds the step from the stale samples' policy."""
+    path = tmp_path / "no_old.py"
+    path.write_text(
+        FLOW.replace("old_logprobs=old, ", "")
+        .replace("    old = actor.logprobs(rollout)\n", "")
+        .replace("{loss}", "decoupled_ppo(0.2)")
+    )
+    g = load_flow(str(path)).trace()
+    with pytest.raises(SpecError, match="has no old_logprobs") as e:
+        _plan(g, ["staleness=1"])
+    assert "old_logprobs=actor.logprobs(rollout)" in e.value.fix
+    assert _plan(g, []).staleness == 0  # lock-step it plans
 
 
 def test_flowc_plan_staleness_prints_the_lock_step_plan_beside_it():

@@ -98,3 +98,19 @@ def test_pins_that_need_two_pools_split_the_local_cores(monkeypatch):
         compile_plan(
             g, sources, ClusterSpec.local(2), wl, RunConfig(), pin_words=["colocate=actor.train;ref;actor.gen"], **common
         )
+
+
+def test_an_explicit_lock_step_and_a_staleness_pin_disagree():
+    from flowc.compile import compile_plan
+    from flowc.errors import SpecError
+    from flowc.ir.cluster import ClusterSpec
+    from flowc.ir.run_config import RunConfig
+    from flowc.ir.workload import WorkloadSpec
+    from flowc.loader import load_flow
+
+    g = load_flow(str(EXAMPLES / "grpo_async.py")).trace()
+    with pytest.raises(SpecError, match="disagree"):
+        compile_plan(
+            g, {"actor": "flowc-tiny", "ref": "flowc-tiny"}, ClusterSpec.local(1), WorkloadSpec(prompts=8, prompt_len=8, response_len=6),
+            RunConfig(staleness=0), pin_words=["staleness=1"], rollout="hf", split_local=False,
+        )  # fmt: skip
