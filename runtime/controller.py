@@ -159,7 +159,8 @@ class Controller:
         }
         self._syncs: dict[str, Callable[[Step], list[Any]]] = {"local": self._sync_local, "object_store": self._sync_buckets}
         # checked weight sync (runtime.sync_check): a fixed probe both sides score after every sync
-        self._probe = probe_rollout(self.tok) if self.cfg.sync_check else None
+        # (one token short of the engine's context: vLLM scores a sequence as a prompt with one token to generate)
+        self._probe = probe_rollout(self.tok, self._context() - 1) if self.cfg.sync_check else None
         tol = tolerance(self.p.target.dtype, self.cfg.sync_check_tol)
         self._checks = {st.node: SyncCheck(st.engine.role, tol, self.p.target.dtype) for st in self.p.steps_of(Op.WEIGHT_SYNC)}
         self._trainer_probe: dict[str, list[float] | None] = {}
@@ -190,7 +191,6 @@ class Controller:
                 wg.get(wg.call("add_engine", e.key, self._init(g, e)), f"loading {e.key}")
 
     def _init(self, g: GroupSpec, e: EngineSpec) -> EngineInit:
-        w = self.p.workload
         return EngineInit(
             role=e.role,
             kind=e.role_kind,
@@ -203,7 +203,7 @@ class Controller:
             total_updates=self._total_updates(e.role),
             tokenizer=self.s.tokenizer,
             # the longest sequence a rollout engine sees: a prompt and the longest response any generate asks for
-            max_model_len=w.prompt_len + max(w.response_len, self._max_tokens()),
+            max_model_len=self._context(),
             # a rollout engine sharing its devices with a trainer frees its memory between rollouts (where it can)
             colocated=g.hosts(EngineKind.TRAIN),
             memory_fraction=e.memory_fraction,
@@ -217,6 +217,10 @@ class Controller:
         w = self.p.workload
         per_step = sum(1 for st in self.p.steps_of(Op.UPDATE) if st.engine is not None and st.engine.role == role)
         return max(self.cfg.steps * w.epochs * w.mini_batches * per_step, 1)
+
+    def _context(self) -> int:
+        """A rollout engine's context: the longest prompt and response (the probe fits it too)."""
+        return self.p.workload.prompt_len + max(self.p.workload.response_len, self._max_tokens())
 
     def _max_tokens(self) -> int:
         asked = [int(st.args["max_tokens"]) for st in self.p.steps if st.args.get("max_tokens")]

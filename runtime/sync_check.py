@@ -26,10 +26,13 @@ PROBE_PROMPT_TOKENS = 12  # the rest of the probe's tokens are its "response", s
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
 
 
-def probe_rollout(tok: Any) -> Rollout:
+def probe_rollout(tok: Any, max_len: int) -> Rollout:
     """The fixed probe as a one-row rollout: the first tokens of :data:`PROBE_TEXT` as the prompt,
-    the rest as the response (real tokens of the policy's tokenizer)."""
-    ids = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    the rest as the response (real tokens of the policy's tokenizer), at most ``max_len`` tokens in
+    all (the rollout engine's context: vLLM refuses a longer sequence)."""
+    if max_len < 2:
+        raise ValueError(f"the weight sync probe needs a context of 2 tokens or more, got {max_len}")
+    ids = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"][:max_len]
     p = min(PROBE_PROMPT_TOKENS, max(1, len(ids) // 2))
     prompt, response = torch.tensor([ids[:p]]), torch.tensor([ids[p:]])
     return Rollout(

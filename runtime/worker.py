@@ -167,7 +167,7 @@ class Worker:
         _drain(stream)  # a rank without a rollout engine still takes part in the collectives
         out = {"bytes": eng.last_received, "copied": copied, "seconds": time.perf_counter() - t0, "start": start}
         if probe is not None:
-            out["probe_trainer"] = _probe_of(eng.forward(probe, 1), probe)
+            out["probe_trainer"] = _probe_of(eng.probe(probe), probe)
             out["probe_engine"] = _probe_of(self.engines[dst].logprobs(probe), probe) if dst in self.engines else None
         return out
 
@@ -184,7 +184,7 @@ class Worker:
         _drain(stream)  # the other ranks take part in the collectives only
         meta: dict[str, Any] = {"bytes": eng.last_received, "seconds": time.perf_counter() - t0, "start": start}
         if probe is not None:
-            meta["probe_trainer"] = _probe_of(eng.forward(probe, 1), probe)
+            meta["probe_trainer"] = _probe_of(eng.probe(probe), probe)
         return refs, meta
 
     def import_weights(self, dst: EngineKey, refs: list[Any], probe: Rollout | None = None) -> dict[str, Any]:

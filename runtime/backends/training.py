@@ -243,6 +243,19 @@ class TrainEngine:
         return parts, bins
 
     # -------------------------------------------------------------- forward
+    def probe(self, r: Rollout) -> torch.Tensor | None:
+        """The weight sync check's probe scored as :meth:`forward` scores rows, leaving the engine
+        as the step's ops left it: the micro-batches :meth:`describe` reports, and FSDP2's
+        parameters resharded (a forward-only call keeps the root's gathered in the compute dtype)."""
+        kept = self.micro_batches
+        try:
+            return self.forward(r, 1)
+        finally:
+            self.micro_batches = kept
+            reshard = getattr(self.b.model, "reshard", None)
+            if callable(reshard):
+                reshard()
+
     @torch.no_grad()
     def forward(self, r: Rollout, micro: int, tokens: int = 0, overhead: float = 0.0) -> torch.Tensor | None:
         """Log-probabilities (policy, reference) or values (critic) ``[n, R]`` of the rows, or a

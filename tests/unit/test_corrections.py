@@ -172,3 +172,18 @@ def test_the_sync_check_fails_an_engine_off_the_trainer_or_unchanged_while_the_t
     quiet = SyncCheck("actor", tol=0.1, dtype="bfloat16")
     quiet(0, [-1.0], [-1.0])
     assert quiet(1, [-1.00001], [-1.0]) < 1e-4  # the trainer barely moved: an unchanged engine is no evidence
+
+
+def test_the_probe_fits_the_rollout_engines_context():
+    """vLLM refuses a sequence longer than its max_model_len (the workload's prompt + response:
+    14 tokens for the built-in task), so the probe is cut to it."""
+    from transformers import AutoTokenizer
+
+    from flowc.runtime.sync_check import probe_rollout
+    from flowc.tasks.arithmetic import asset_dir
+
+    tok = AutoTokenizer.from_pretrained(str(asset_dir()))
+    full = probe_rollout(tok, 10_000)
+    assert full.prompt_ids.shape[1] + full.response_ids.shape[1] > 14
+    cut = probe_rollout(tok, 14)
+    assert cut.prompt_ids.shape[1] + cut.response_ids.shape[1] == 14 and cut.response_ids.shape[1] >= 1
