@@ -418,10 +418,13 @@ def report(
     run_dir: Annotated[str, typer.Argument(help="A run directory written by flowc run.", metavar="RUN_DIR")],
     output: Annotated[str | None, typer.Option("--output", "-o", help="PNG path (default RUN_DIR/report.png).")] = None,
 ) -> None:
-    """Draw a run's curves (reward, accuracy, KL, predicted vs measured time per op) to PNG."""
-    from flowc.report import draw
+    """Draw a run's curves (reward, accuracy, KL, predicted vs measured time per op; for a pipelined
+    run its staleness, importance ratios and pools) to PNG, and print the pipeline's figures."""
+    from flowc.report import draw, pipeline_summary
 
     path = draw(run_dir, output)
+    if summary := pipeline_summary(run_dir):
+        typer.echo(summary)
     typer.echo(f"wrote {path}")
 
 

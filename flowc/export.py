@@ -20,6 +20,7 @@ import jinja2
 from flowc.errors import FlowcError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Plan
+from flowc.ir.steady_state import pipelined_spans
 from flowc.ir.targets import short_name
 from flowc.ir.text import COMPUTE_COLOR, INPUT_COLOR, text_color
 
@@ -167,8 +168,11 @@ def to_svg(plan: Plan, g: FlowGraph) -> str:
 
 # -------------------------------------------------------------------- HTML
 def _placement_svg(plan: Plan, g: FlowGraph) -> str:
-    """Devices × time: a band per pool (height ∝ devices), a bar per op."""
-    step = max(plan.predicted.step_time_s, 1e-9)
+    """Devices × time: a band per pool (height ∝ devices), a bar per op; a pipelined plan over
+    two consecutive steps (:func:`pipelined_spans`), each bar tagged with its step."""
+    windows = 2 if plan.staleness else 1
+    spans = pipelined_spans(plan, windows)
+    step = max(plan.predicted.step_time_s * windows, 1e-9)
     width, left, top, band_min = 900, 190, 20, 26
     total_dev = sum(p.device_count for p in plan.pools)
     heights = [max(band_min, 220 * p.device_count / total_dev) for p in plan.pools]
@@ -185,17 +189,19 @@ def _placement_svg(plan: Plan, g: FlowGraph) -> str:
             f'<text x="{left - 6}" y="{y + ph / 2 + 12:.1f}" text-anchor="end" font-size="9" fill="#666">devices {html.escape(p.devices)}</text>'
         )
         y += ph
-    for e in plan.schedule:
+    for sp in spans:
+        e = sp.entry
         if e.pool not in pool_y or e.end_s <= e.start_s:
             continue
         py, ph = pool_y[e.pool]
-        x0 = left + width * e.start_s / step
-        w = max(width * (e.end_s - e.start_s) / step, 1.0)
+        x0 = left + width * sp.start_s / step
+        w = max(width * (sp.end_s - sp.start_s) / step, 1.0)
         color = colors.get(e.role or "", "#999999")
-        label = html.escape(e.op)
+        tag = "s" if sp.step == 0 else f"s+{sp.step}"
+        label = html.escape(f"{e.op} [{tag}]" if plan.staleness else e.op)
         parts.append(
-            f'<g class="bar" data-role="{html.escape(e.role or "")}"><rect x="{x0:.1f}" y="{py + 2:.1f}" width="{w:.1f}" height="{ph - 8:.1f}" fill="{color}" stroke="#ffffff">'
-            f"<title>{label}: {e.start_s:.2f}–{e.end_s:.2f} s</title></rect>"
+            f'<g class="bar" data-role="{html.escape(e.role or "")}" data-step="{sp.step}"><rect x="{x0:.1f}" y="{py + 2:.1f}" width="{w:.1f}" height="{ph - 8:.1f}" fill="{color}" stroke="#ffffff">'
+            f"<title>{label}: {sp.start_s:.2f}–{sp.end_s:.2f} s</title></rect>"
             + (
                 f'<text x="{x0 + 3:.1f}" y="{py + ph / 2 + 3:.1f}" font-size="10" fill="{text_color(color)}">{label}</text>'
                 if w > 60
@@ -208,6 +214,13 @@ def _placement_svg(plan: Plan, g: FlowGraph) -> str:
         x = left + width * k / 5
         parts.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{y:.1f}" stroke="#ccc" stroke-dasharray="2,3"/>')
         parts.append(f'<text x="{x:.1f}" y="{y + 14:.1f}" text-anchor="middle" font-size="10">{t:.1f} s</text>')
+    if plan.staleness:  # where one step of the steady state ends and the next begins
+        x = left + width / 2
+        parts.append(f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{y:.1f}" stroke="#333" stroke-width="1.5"/>')
+        parts.append(
+            f'<text x="{left:.1f}" y="{top - 8}" font-size="10">steady state, staleness {plan.staleness}: steps s and s+1,'
+            f" {plan.predicted.step_time_s:.2f} s each ([s+1]: rollouts generated ahead)</text>"
+        )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -313,6 +326,7 @@ def to_html(plan: Plan, g: FlowGraph) -> str:
         colors=_color_map(plan, g),
         kinds={r.name: str(r.kind) for r in g.roles.values()} | {r: rp.kind for r, rp in plan.roles.items()},
         placement_svg=_placement_svg(plan, g),
+        spans=sorted(pipelined_spans(plan), key=lambda sp: (sp.start_s, sp.step)) if plan.staleness else [],
         graph_svg=_graph_svg(plan, g),
         memory_svg=_memory_svg(plan),
         plan_json=json.dumps(json.loads(plan.to_json(indent=None))).replace("</", "<\\/"),

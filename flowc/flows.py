@@ -16,8 +16,10 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flowc.errors import SignatureError, SourceLocation, display_path
+from flowc.errors import SignatureError, SourceLocation, SpecError, display_path
 from flowc.ir.graph import FlowGraph
+from flowc.ir.run_config import MAX_STALENESS
+from flowc.ir.verify import check_staleness
 from flowc.roles import ROLE_TYPES, Preferences, Prompts, Role, suggest
 
 DATA_TYPES: dict[type, str] = {Prompts: "prompts", Preferences: "preferences"}
@@ -26,7 +28,7 @@ DATA_TYPES: dict[type, str] = {Prompts: "prompts", Preferences: "preferences"}
 class Flow:
     """A traced-on-demand RL algorithm. Create with :func:`flow`."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, max_staleness: int | None = None) -> None:
         self.fn = fn
         self.name: str = fn.__name__
         self.doc: str = inspect.getdoc(fn) or ""
@@ -36,6 +38,16 @@ class Flow:
         self.roles: dict[str, type[Role]] = {}
         self.hyperparams: dict[str, Any] = {}
         self._read_signature()
+        if max_staleness is not None and (
+            isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or not 0 <= max_staleness <= MAX_STALENESS
+        ):
+            raise SignatureError(
+                f"@fc.flow(max_staleness={max_staleness!r}) on {self.name!r}: the bound is a whole number of weight"
+                f" versions, 0 to {MAX_STALENESS}",
+                fix="e.g. @fc.flow(max_staleness=1): rollouts sampled with weights at most one update older than the trainer's",
+                where=self._where(),
+            )
+        self.max_staleness: int | None = max_staleness
 
     def _where(self, param: str | None = None) -> SourceLocation:
         return SourceLocation(self.file, self._param_lines.get(param, self.line) if param else self.line)
@@ -130,7 +142,7 @@ class Flow:
         from flowc.tracing import trace_function
 
         hyper = self.resolve_hyperparams(overrides)
-        return trace_function(
+        g = trace_function(
             self.fn,
             name=self.name,
             data_params=self.data_params,
@@ -139,6 +151,17 @@ class Flow:
             source=display_path(self.file),
             def_lineno=self.line,
         )
+        if self.max_staleness:  # the flow promises its loss tolerates that lag: hold it to it now, not when planned
+            try:
+                check_staleness(g, self.max_staleness)
+            except SpecError as e:
+                raise SpecError(
+                    f"@fc.flow(max_staleness={self.max_staleness}) on {self.name!r}: {e.what}",
+                    fix=f"{e.fix} — or declare max_staleness=0" if e.fix else "declare max_staleness=0",
+                    where=self._where(),
+                ) from None
+        g.max_staleness = self.max_staleness
+        return g
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise SignatureError(
@@ -199,6 +222,23 @@ def _coerce(name: str, raw: str, default: Any) -> Any:
         ) from None
 
 
-def flow(fn: Callable[..., Any]) -> Flow:
-    """Declare ``fn`` as one training iteration of an RL algorithm."""
-    return Flow(fn)
+@typing.overload
+def flow(fn: Callable[..., Any], /) -> Flow: ...
+@typing.overload
+def flow(*, max_staleness: int | None = None) -> Callable[[Callable[..., Any]], Flow]: ...
+def flow(
+    fn: Callable[..., Any] | None = None, /, *, max_staleness: int | None = None
+) -> Flow | Callable[[Callable[..., Any]], Flow]:
+    """Declare ``fn`` as one training iteration of an RL algorithm: ``@fc.flow``, or
+    ``@fc.flow(max_staleness=K)`` for an algorithm whose loss tolerates rollouts sampled with
+    weights up to ``K`` updates older than the trainer's. A run of such a flow lets the planner
+    choose the staleness in ``0 … K`` with the placement (``--staleness K`` beyond it is refused);
+    the loss must correct for the lag (``correction=``), checked when the flow is traced."""
+    if fn is None:
+        return lambda f: Flow(f, max_staleness=max_staleness)
+    if not callable(fn):
+        raise SignatureError(
+            f"@fc.flow got {fn!r}, not a function",
+            fix="write @fc.flow or @fc.flow(max_staleness=1) above the def",
+        )
+    return Flow(fn, max_staleness=max_staleness)

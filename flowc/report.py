@@ -3,7 +3,10 @@
 Panels: reward (mean ± spread) and training accuracy; held-out accuracy;
 KL to the reference and the policy loss; and, per op, the time the planner
 predicted beside the time measured at every step (so the cost model's error
-is always in view).
+is always in view). A run whose metrics have the pipeline's figures (rollout staleness, the
+importance weights of an off-policy correction, each pool's busy time) gets a third row: the
+staleness histogram with the importance-ratio statistics, and each pool's busy time per step,
+measured against predicted, with its idle share; :func:`pipeline_summary` says the same in text.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from flowc.errors import DataError
+
+IS_KEYS = ("/is_weight", "/is_cut_frac", "/mismatch_kl")
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
@@ -49,7 +54,9 @@ def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:
 
     rows = load_metrics(run_dir)
     steps = [r for r in rows if "reward" in r]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    timed_steps = [r for r in rows if "step_s" in r]
+    pipeline = _has_pipeline(timed_steps)
+    fig, axes = plt.subplots(3 if pipeline else 2, 2, figsize=(12, 12 if pipeline else 8))
     ax = axes[0][0]
     if steps:
         x = [r["step"] for r in steps]
@@ -96,9 +103,103 @@ def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:
     ax.set_title("seconds per op: measured (lines) vs predicted (dashed)")
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
+    if pipeline:
+        _draw_pipeline(axes[2], timed_steps)
     fig.suptitle(f"flowc run {Path(run_dir).name}")
     fig.tight_layout()
     out = Path(output) if output else Path(run_dir) / "report.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+# --------------------------------------------------------------- the pipeline's figures
+def _has_pipeline(rows: list[dict[str, Any]]) -> bool:
+    return any("rollout/staleness" in r or any(k.startswith("pool/") for k in r) for r in rows)
+
+
+def staleness_histogram(rows: list[dict[str, Any]]) -> dict[int, int]:
+    """How many steps trained on rollouts 0, 1, … weight versions behind the trainer (a lock-step
+    run's steps are all 0)."""
+    out: dict[int, int] = {}
+    for r in rows:
+        if "step_s" in r:
+            lag = int(r.get("rollout/staleness", 0))
+            out[lag] = out.get(lag, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def pool_figures(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per pool: mean measured and predicted busy seconds per step and the mean idle share."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("pool/") and isinstance(v, (int, float)):
+                pool, what = k[len("pool/") :].rsplit("/", 1)
+                acc.setdefault(pool, {}).setdefault(what, []).append(float(v))
+    return {pool: {w: sum(v) / len(v) for w, v in d.items()} for pool, d in sorted(acc.items())}
+
+
+def _means(rows: list[dict[str, Any]], suffix: str) -> dict[str, float]:
+    acc: dict[str, list[float]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.endswith(suffix) and isinstance(v, (int, float)):
+                acc.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in sorted(acc.items())}
+
+
+def pipeline_summary(run_dir: str | Path) -> str:
+    """The pipeline's figures of a run in text: the staleness histogram over its steps, the
+    importance-ratio statistics of its corrections and the rollout/trainer mismatch, and each
+    pool's measured busy time against the plan's with its idle share. Empty for a run without
+    them."""
+    rows = [r for r in load_metrics(run_dir) if "step_s" in r]
+    if not _has_pipeline(rows):
+        return ""
+    hist = staleness_histogram(rows)
+    lines = ["staleness (steps by how many weight versions their rollouts lagged the trainer):"]
+    lines += [f"  {lag} behind: {n} step(s)" for lag, n in hist.items()]
+    buffered = [int(r["rollout/buffered"]) for r in rows if "rollout/buffered" in r]
+    if buffered:
+        lines.append(f"  rollout buffer: at most {max(buffered)} step(s) issued ahead of the trainer")
+    stats = {k: v for suffix in IS_KEYS for k, v in _means(rows, suffix).items()}
+    if stats:
+        lines.append("off-policy statistics (mean over steps):")
+        lines += [f"  {k}: {v:.4g}" for k, v in stats.items()]
+    pools = pool_figures(rows)
+    if pools:
+        lines.append("pools (mean per step): busy measured / predicted, idle share")
+        for pool, f in pools.items():
+            busy, pred, idle = f.get("busy_s"), f.get("busy_predicted_s"), f.get("idle_fraction")
+            ratio = f" ({busy / pred:.2f}×)" if busy is not None and pred else ""
+            lines.append(
+                f"  {pool}: {busy if busy is not None else float('nan'):.3g} s / "
+                f"{pred if pred is not None else float('nan'):.3g} s{ratio}, idle {idle if idle is not None else 0.0:.0%}"
+            )
+    return "\n".join(lines)
+
+
+def _draw_pipeline(axes: Any, rows: list[dict[str, Any]]) -> None:
+    ax = axes[0]
+    hist = staleness_histogram(rows)
+    ax.bar([str(k) for k in hist], list(hist.values()), color="tab:purple", alpha=0.7)
+    stats = {k: v for suffix in IS_KEYS for k, v in _means(rows, suffix).items()}
+    means = " · ".join(f"{k.rsplit('/', 1)[1]} {v:.3g}" for k, v in stats.items())
+    ax.set_xlabel("weight versions behind the trainer" + (f"\nmean {means}" if means else ""))
+    ax.set_ylabel("steps")
+    ax.set_title("rollout staleness over the steps")
+    ax = axes[1]
+    pools = sorted({k[len("pool/") :].rsplit("/", 1)[0] for r in rows for k in r if k.startswith("pool/")})
+    for i, pool in enumerate(pools):
+        pts = [(r["step"], r.get(f"pool/{pool}/busy_s"), r.get(f"pool/{pool}/busy_predicted_s")) for r in rows]
+        ax.plot(
+            [s for s, b, _ in pts if b is not None], [b for _, b, _ in pts if b is not None], color=f"C{i}", label=f"{pool} busy"
+        )
+        pred = [p for *_, p in pts if p is not None]
+        if pred:
+            ax.axhline(pred[-1], color=f"C{i}", linestyle="--", alpha=0.7)
+    ax.plot([r["step"] for r in rows], [r["step_s"] for r in rows], color="black", alpha=0.5, label="step")
+    ax.set_title("pool busy s/step: measured (lines) vs predicted (dashed)")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)

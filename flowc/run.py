@@ -415,6 +415,7 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                 out, start_step, cfg.report_to, run_name=out.name, config=cfg.model_dump(mode="json", exclude_unset=True)
             )
             bar = _Progress(cfg.steps, start_step, enabled=progress)
+            current = p.plan  # the plan as re-planning last left it (its lengths, its staleness)
             with bar:
                 if start_step == 0 and cfg.eval_every:
                     first = {"step": 0, **ctl.evaluate()}
@@ -426,6 +427,8 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                         m.update(ctl.evaluate())
                     log.write(m)
                     ctl.history.append({k: v for k, v in m.items() if k not in ("measured_s", "predicted_s", "samples")})
+                    if cfg.replan_every and (step + 1) % cfg.replan_every == 0 and step + 1 < cfg.steps:
+                        current = _maybe_replan(req, p, ctl, current, step + 1, log)
                     bar.update(m)
                     if on_step is not None:
                         on_step(m)
@@ -465,6 +468,43 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
         if started:
             shutdown_ray()
     return out
+
+
+def _maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: int, log: MetricsLog) -> Plan:
+    """``replan_every``: when the mean response length of the last steps drifted from ``current``'s
+    by more than ``replan_drift``, plan again at the measured length (``flowc.replan``), log it,
+    switch the staleness in place when the planner chooses it; returns the plan as it now stands."""
+    from flowc.compile import compile_plan
+    from flowc.replan import at_length, measured_length, planned_length, replan
+
+    cfg = p.run.config
+    rows = [r for r in ctl.history if "step_s" in r][-cfg.replan_every :]
+    measured = measured_length(rows)
+    wl = WorkloadSpec.model_validate(current.workload)
+    if measured is None or abs(measured / planned_length(wl) - 1.0) <= cfg.replan_drift:
+        return current
+    g = req.flow.trace(**req.overrides)
+    may_switch = cfg.staleness == "auto" or ("staleness" not in cfg.model_fields_set and bool(g.max_staleness))
+
+    def best_plan(at: WorkloadSpec) -> Plan:
+        return compile_plan(
+            g,
+            p.run.model_sources,
+            current.cluster_spec(),
+            at,
+            cfg,
+            pin_words=req.pins,
+            rollout=req.rollout,
+            split_local=req.cluster == "local",
+            here=p.address is None,
+        )
+
+    r = replan(step, current, g, measured, may_switch=may_switch, best_plan=best_plan, out_dir=p.run.out_dir)
+    log.write(r.event())
+    print(f"note: {r.message()}", file=sys.stderr)
+    if r.switched:
+        ctl.set_staleness(r.staleness_to)
+    return current.model_copy(update={"workload": at_length(wl, measured).model_dump(), "staleness": r.staleness_to})
 
 
 class _Abort(KeyboardInterrupt):

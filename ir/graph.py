@@ -123,8 +123,12 @@ class FlowGraph:
         hyperparams: Mapping[str, Any] | None = None,
         symbols: Mapping[str, int] | None = None,
         source: str | None = None,
+        max_staleness: int | None = None,
     ) -> None:
         self.name = name
+        # the most weight versions the flow lets its rollouts lag the trainer (``@fc.flow(max_staleness=K)``);
+        # None: the flow does not say, the run's staleness decides (0 unless asked)
+        self.max_staleness = max_staleness
         self.roles: dict[str, RoleInfo] = dict(roles or {})
         self.hyperparams: dict[str, Any] = dict(hyperparams or {})
         self.symbols: dict[str, int] = dict(symbols or {})
@@ -186,7 +190,14 @@ class FlowGraph:
     def with_nodes(self, nodes: list[Node]) -> FlowGraph:
         """A new graph with the same header and the given nodes (in order),
         weight edges rebuilt. Passes use this to rewrite graphs."""
-        g = FlowGraph(self.name, roles=self.roles, hyperparams=self.hyperparams, symbols=self.symbols, source=self.source)
+        g = FlowGraph(
+            self.name,
+            roles=self.roles,
+            hyperparams=self.hyperparams,
+            symbols=self.symbols,
+            source=self.source,
+            max_staleness=self.max_staleness,
+        )
         for n in nodes:
             g.add(replace(n, meta=dict(n.meta)))
         g.add_weight_edges()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flowc.ir.plan import Plan
+from flowc.ir.steady_state import pipelined_spans
 
 
 def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
@@ -141,7 +142,25 @@ def _schedule(plan: Plan) -> list[str]:
         for e in plan.schedule
         if e.end_s > e.start_s or e.pool
     ]
-    return ["", "schedule (one iteration)", *_table(["start", "end", "op", "pool"], rows, right={0, 1})]
+    out = ["", "schedule (one iteration)", *_table(["start", "end", "op", "pool"], rows, right={0, 1})]
+    if plan.staleness:
+        spans = sorted(pipelined_spans(plan), key=lambda sp: (sp.start_s, sp.step))
+        steady = [
+            [
+                f"{sp.start_s:.2f}",
+                f"{sp.end_s:.2f}",
+                sp.entry.op,
+                "s" if not sp.step else f"s+{sp.step}",
+                sp.entry.pool or "controller",
+            ]
+            for sp in spans
+        ]
+        head = (
+            f"steady state (staleness {plan.staleness}: two steps of {plan.predicted.step_time_s:.2f} s; s+1: rollouts"
+            " generated ahead)"
+        )
+        out += ["", head, *_table(["start", "end", "op", "step", "pool"], steady, right={0, 1})]
+    return out
 
 
 def _why(plan: Plan) -> list[str]:

@@ -74,6 +74,10 @@ class OptimConfig(BaseModel):
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
 
 
+# the largest staleness (weight versions of lag) a flow, a run or a pin may ask for
+MAX_STALENESS = 16
+
+
 class RunConfig(BaseModel):
     """Everything about a run that is not the algorithm, the models or the plan.
 
@@ -112,12 +116,20 @@ class RunConfig(BaseModel):
             ``sync_check_tol`` (None: 1e-3 in float32, 0.1 in bfloat16) fails the run
             (``runtime.sync_check``).
         staleness: how many weight versions the rollouts may lag the trainer (0: lock-step, the
-            default). With K ≥ 1 the generation engine samples step s+K's rollouts while the
+            default — unless the flow declares ``@fc.flow(max_staleness=K)``: then, when the run does
+            not set it, the planner chooses it in ``0 … K``, and a larger value is refused). With K ≥ 1 the generation engine samples step s+K's rollouts while the
             trainer trains step s (one-step-off at K = 1): its samples come from weights up to K
             updates old, so every policy loss must carry an off-policy correction
             (``fc.losses.decoupled_ppo`` or ``correction=fc.losses.tis(…)``). ``"auto"``: the
             planner chooses it with the placement (lock-step for a loss without a correction).
             See docs/async.md.
+        replan_every: every this many steps, compare the mean response length measured over
+            them with the plan's; past ``replan_drift`` (a relative difference) plan again at the
+            measured length: the staleness is switched in place when the planner chooses it, a
+            better placement is written to ``replans/`` and said (0: never, the default;
+            ``flowc.replan``).
+        replan_drift: how far the measured mean response length may drift from the plan's
+            before a re-plan (0.25: 25 %).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -140,7 +152,9 @@ class RunConfig(BaseModel):
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
     sync_check: bool = True
     sync_check_tol: float | None = Field(None, gt=0)
-    staleness: Annotated[int, Field(ge=0, le=16)] | Literal["auto"] = 0
+    staleness: Annotated[int, Field(ge=0, le=MAX_STALENESS)] | Literal["auto"] = 0
+    replan_every: int = Field(0, ge=0)
+    replan_drift: float = Field(0.25, gt=0)
 
     def optim_for(self, role: str) -> OptimConfig:
         return self.optim.get(role, self.default_optim)

@@ -112,6 +112,7 @@ class GraphDoc(BaseModel):
     roles: dict[str, str]
     hyperparams: dict[str, Any]
     symbols: dict[str, int]
+    max_staleness: int | None = None
     nodes: list[NodeDoc]
     edges: list[EdgeDoc]
 
@@ -130,6 +131,7 @@ def to_dict(g: FlowGraph) -> dict[str, Any]:
         "roles": {r.name: str(r.kind) for r in g.roles.values()},
         "hyperparams": {k: encode(v) for k, v in g.hyperparams.items()},
         "symbols": dict(g.symbols),
+        **({"max_staleness": g.max_staleness} if g.max_staleness is not None else {}),
         "nodes": [
             {
                 "id": n.id,
@@ -167,6 +169,7 @@ def from_dict(d: dict[str, Any]) -> FlowGraph:
         hyperparams={k: decode(v) for k, v in doc.hyperparams.items()},
         symbols=doc.symbols,
         source=doc.source,
+        max_staleness=doc.max_staleness,
     )
     for nd in doc.nodes:
         g.add(

@@ -100,7 +100,10 @@ def format_header(g: FlowGraph) -> list[str]:
     hp = ", ".join(f"{k}={format_value(v)}" for k, v in g.hyperparams.items())
     roles = ", ".join(f"{r.name}: {r.kind}" for r in g.roles.values())
     syms = ["B prompts/step", "P prompt tokens", "R response tokens"] + [f"{k}={v}" for k, v in g.symbols.items()]
-    return [f"flow {g.name}({hp})", f"  roles    {roles}", f"  symbols  {', '.join(syms)}"]
+    head = [f"flow {g.name}({hp})", f"  roles    {roles}", f"  symbols  {', '.join(syms)}"]
+    if g.max_staleness is not None:
+        head.append(f"  staleness ≤ {g.max_staleness} weight version(s) (declared: @fc.flow(max_staleness={g.max_staleness}))")
+    return head
 
 
 def format_graph(g: FlowGraph) -> str:

@@ -250,7 +250,7 @@ def check_staleness(g: FlowGraph, k: int) -> None:
         if getattr(loss, "correction", None) is None:
             raise SpecError(
                 f"staleness={k}: {n.id}(loss={loss}) assumes on-policy samples, but with staleness {k} they come from"
-                f" weights up to {k} updates older than the trainer's (naive PPO at staleness 4 lost most of its accuracy"
+                f" weights up to {k} update(s) older than the trainer's (naive PPO at staleness 4 lost most of its accuracy"
                 " in AReaL's ablation, 42.0 → 23.3 on AIME24)",
                 fix="weigh the samples by the trainer's over the engine's probability: loss=fc.losses.decoupled_ppo(clip)"
                 " with old_logprobs=actor.logprobs(rollout), or loss=fc.losses.ppo_clip(clip, correction=fc.losses.tis(2.0)),"

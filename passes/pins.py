@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from flowc.errors import SpecError
 from flowc.ir.plan import PHASES, Backend, Layout, Plan, ReshardMethod
+from flowc.ir.run_config import MAX_STALENESS
 
 #: pin fields that are not :class:`Layout` fields (the search does not enumerate them)
 NOT_LAYOUT = ("devices", "gpu_memory_utilization")
@@ -80,7 +81,7 @@ class Pins(BaseModel):
     # weight versions the rollouts may lag the trainer (runtime RunConfig.staleness): the plan prices
     # the pipelined loop's steady state (schedule.simulate); "auto": the planner chooses
     # (pipeline.make_plan); None: lock-step
-    staleness: Annotated[int, Field(ge=0, le=16)] | Literal["auto"] | None = None
+    staleness: Annotated[int, Field(ge=0, le=MAX_STALENESS)] | Literal["auto"] | None = None
     # What the runtime executes, set by its registry (not by users): the backends
     # that run on the cluster's devices (None: any), and per backend the fields a
     # layout on it must have (limits[B]; fsdp2: tp=pp=cp=ep=1).
@@ -193,7 +194,7 @@ def parse_pin(text: str) -> Pins:
         try:
             return Pins(staleness=_value(raw))
         except ValidationError as e:
-            raise SpecError(f"pin {text!r}: staleness is a whole number of weight versions, 0 to 16, or auto") from e
+            raise SpecError(f"pin {text!r}: staleness is a whole number of weight versions, 0 to {MAX_STALENESS}, or auto") from e
     parts = key.split(".")
     if parts[0] == "reshard" and len(parts) == 2:
         try:
@@ -253,4 +254,4 @@ def pins_from_plan(plan: Plan) -> Pins:
             roles.setdefault(name, {})[ph] = PhasePin(**fields, devices=pp.device_count, gpu_memory_utilization=util)
     colocate = [list(p.units) for p in plan.pools]
     reshard = {r.role: r.method for r in plan.reshards if r.dst_phase == "generate"}
-    return Pins(roles=roles, colocate=colocate, reshard=reshard, staleness=plan.staleness or None)
+    return Pins(roles=roles, colocate=colocate, reshard=reshard, staleness=plan.staleness)

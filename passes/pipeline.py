@@ -192,13 +192,54 @@ def make_plan(
     (timings, cost tables) for inspection. ``target`` defaults to the cluster's
     (:meth:`Target.of`); ``verify_each`` to ``FLOWC_VERIFY_EACH=1``. A ``staleness`` pin of
     ``"auto"``: the planner chooses it (:func:`choose_staleness`)."""
-    if pins is not None and pins.staleness == "auto":
+    pins = pins or Pins()
+    bound = g.max_staleness
+    if isinstance(pins.staleness, int) and bound is not None and pins.staleness > bound:
+        raise SpecError(
+            f"staleness={pins.staleness}, but flow {g.name} declares @fc.flow(max_staleness={bound}): its rollouts may lag"
+            f" the trainer by at most {bound} weight version(s)",
+            fix=f"ask for staleness 0 … {bound} (or auto, which chooses within it), or raise the flow's max_staleness",
+        )
+    if pins.staleness == "auto" or (pins.staleness is None and bound):
         return choose_staleness(g, models, cluster, workload, pins, target=target, verify_each=verify_each)
+    plan, planned, ctx = _plan_once(g, models, cluster, workload, pins, target, verify_each)
+    if pins.staleness is None:  # lock-step by default: say so, and whether the flow could run ahead
+        return plan.model_copy(update={"why": [_default_staleness_line(g), *plan.why]}), planned, ctx
+    return plan, planned, ctx
+
+
+def _reason(e: SpecError) -> str:
+    """``check_staleness``'s refusal without its ``staleness=K:`` prefix."""
+    return e.what.split(": ", 1)[1] if e.what.startswith("staleness=") else e.what
+
+
+def _default_staleness_line(g: FlowGraph) -> str:
+    if g.max_staleness == 0:
+        return "Staleness: 0, lock-step — the flow declares @fc.flow(max_staleness=0)."
+    try:
+        check_staleness(g, 1)
+    except SpecError as e:
+        return f"Staleness: 0, lock-step (the default) — this flow cannot run ahead: {_reason(e)}."
+    return (
+        "Staleness: 0, lock-step (the default) — the flow's loss corrects for off-policy samples, so it could run ahead:"
+        " --staleness auto (or @fc.flow(max_staleness=1)) lets the planner price it with the placement."
+    )
+
+
+def _plan_once(
+    g: FlowGraph,
+    models: dict[str, ModelSpec],
+    cluster: ClusterSpec,
+    workload: WorkloadSpec,
+    pins: Pins,
+    target: Target | None,
+    verify_each: bool | None,
+) -> tuple[Plan, FlowGraph, PlanContext]:
     ctx = PlanContext(
         models=models,
         cluster=cluster,
         workload=workload,
-        pins=pins or Pins(),
+        pins=pins,
         target=target or Target.of(cluster),
         verify_each=default_verify_each() if verify_each is None else verify_each,
     )
@@ -225,23 +266,24 @@ def choose_staleness(
     """Plan the flow at each staleness of :data:`AUTO_STALENESS` its loss allows (placement and
     staleness together) and keep the smallest K whose step is within :data:`AUTO_TOLERANCE` of the
     fastest; lock-step only when the flow cannot run ahead (``check_staleness``: why says so)."""
-    try:
-        check_staleness(g, 1)
-        ks, reason = AUTO_STALENESS, None
-    except SpecError as e:
-        ks, reason = (0,), e.what
-    tried = [
-        (k, make_plan(g, models, cluster, workload, pins.merged(Pins(staleness=k)), target=target, verify_each=verify_each))
-        for k in ks
-    ]
+    bound = g.max_staleness
+    ks = tuple(k for k in AUTO_STALENESS if bound is None or k <= bound)
+    reason = f"the flow declares @fc.flow(max_staleness={bound})" if ks == (0,) else None
+    if reason is None:
+        try:
+            check_staleness(g, 1)
+        except SpecError as e:
+            ks, reason = (0,), f"this flow cannot run ahead: {_reason(e)}"
+    tried = [(k, _plan_once(g, models, cluster, workload, pins.merged(Pins(staleness=k)), target, verify_each)) for k in ks]
     fastest = min(r[0].predicted.step_time_s for _, r in tried)
     k, best = next((k, r) for k, r in tried if r[0].predicted.step_time_s <= fastest * (1 + AUTO_TOLERANCE))
     if reason is not None:
-        line = f"Staleness (auto): 0, lock-step — this flow cannot run ahead: {reason}."
+        line = f"Staleness (auto): 0, lock-step — {reason}."
     else:
         each = ", ".join(f"{k} → {r[0].predicted.step_time_s:.3g} s" for k, r in tried)
+        within = f", within the flow's max_staleness={bound}" if bound is not None else ""
         line = (
-            f"Staleness (auto): {k} — step time by staleness: {each}; the smallest within"
+            f"Staleness (auto{within}): {k} — step time by staleness: {each}; the smallest within"
             f" {AUTO_TOLERANCE:.0%} of the fastest (a larger K only makes the samples older)."
         )
     plan, planned, ctx = best

@@ -19,6 +19,21 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 FLOWS = sorted(p.stem for p in EXAMPLES.glob("*.py"))
 """Every example flow (one per algorithm), by file name."""
 
+DECOUPLED_FLOW = """
+import flowc as fc
+
+@fc.flow
+def decoupled(prompts: fc.Prompts, actor: fc.Policy, ref: fc.Reference, reward: fc.Reward, *, n: int = 8):
+    rollout = actor.generate(prompts, n=n)
+    old = actor.logprobs(rollout)
+    ref_logp = ref.logprobs(rollout)
+    adv = fc.ops.group_normalize(reward(rollout), group_size=n)
+    actor.update(rollout, advantages=adv, old_logprobs=old, ref_logprobs=ref_logp,
+                 loss=fc.losses.{loss}, kl_coef=0.001)
+"""
+"""GRPO with a policy loss ``{loss}`` to fill in (``decoupled_ppo(0.2)``: it may run ahead), for the
+staleness tests."""
+
 
 def flowc_cmd(*args: str) -> list[str]:
     """The command line that runs ``flowc ARGS…`` with this interpreter."""

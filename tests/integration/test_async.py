@@ -56,6 +56,87 @@ def test_rollouts_lag_the_trainer_by_at_most_k_versions(ray_cluster, tmp_path, k
         assert all(0.0 <= m[f"pool/{pool}/idle_fraction"] <= 1.0 for m in rows)
 
 
+def test_a_slow_trainer_never_trains_older_samples_nor_buffers_more_than_k(ray_cluster, tmp_path):
+    """The trainer's side of the step is made slow (its reward sleeps) while generation is fast, so
+    an unbounded engine would race ahead: the lag the engine reports stays 0, 1, 2, 2, …, at most
+    K = 2 steps' rollouts wait issued ahead, the generation pool idles, and `flowc report` shows
+    the histogram."""
+    from flowc.report import pipeline_summary
+
+    k, steps = 2, 6
+    (tmp_path / "slow_reward.py").write_text(
+        "import time\n\n\ndef slow(prompts, responses, **_):\n"
+        "    time.sleep(0.4)\n"
+        "    return [float(len(r) % 2) for r in responses]\n"
+    )
+    cfg = RunConfig(steps=steps, eval_every=0, checkpoint_every=0, staleness=k)
+    req = request(tmp_path, flow=_flow(tmp_path), cluster="local:2", workload=WORKLOAD, config=cfg, steps=steps, pins=SEPARATE)
+    req.rewards = {"reward": f"{tmp_path / 'slow_reward.py'}:slow"}
+    out = run(req, progress=False)
+    rows = _rows(out)
+    assert [m["rollout/staleness"] for m in rows] == [min(s, k) for s in range(steps)]
+    assert [m["rollout/buffered"] for m in rows] == [min(k, steps - 1 - s) for s in range(steps)]
+    assert all(m["pool/actor.gen/idle_fraction"] > 0.5 for m in rows[1:])  # it waited for the trainer, not ran on
+    text = pipeline_summary(out)
+    assert f"  2 behind: {steps - 2} step(s)" in text and "at most 2 step(s) issued ahead" in text
+
+
+def test_the_staleness_switches_between_steps_and_the_lag_stays_within_what_each_rollout_was_issued_under(ray_cluster, tmp_path):
+    """A re-plan lowers K from 1 to 0 after step 2 and raises it back after step 4: the rollouts
+    issued ahead under K = 1 are still trained on (lag 1, allowed: issued under K = 1), then
+    lock-step (lag 0, nothing issued ahead), then ahead again."""
+    from flowc.runtime.controller import Controller
+
+    cfg = RunConfig(steps=6, eval_every=0, checkpoint_every=0, staleness=1)
+    spec = prepare(
+        request(tmp_path, flow=_flow(tmp_path), cluster="local:2", workload=WORKLOAD, config=cfg, steps=6, pins=SEPARATE)
+    ).run
+    ctl = Controller(spec)
+    rows = []
+    try:
+        ctl.start()
+        for s in range(6):
+            if s == 2:
+                ctl.set_staleness(0)
+            if s == 4:
+                ctl.set_staleness(1)
+            rows.append(ctl.run_step(s))
+        with pytest.raises(SpecError, match="assumes on-policy"):  # the verifier still holds
+            Controller(
+                prepare(
+                    request(tmp_path / "naive", flow=_flow(tmp_path, "ppo_clip(0.2)"), cluster="local:2", workload=WORKLOAD)
+                ).run
+            ).set_staleness(1)
+    finally:
+        ctl.shutdown()
+    assert [m["rollout/staleness"] for m in rows] == [0, 1, 1, 0, 0, 1]
+    assert [m["rollout/buffered"] for m in rows] == [1, 1, 0, 0, 1, 0]
+    assert all(m["actor/sync_probe_diff"] < 1e-5 for m in rows)
+
+
+def test_a_run_replans_when_the_measured_lengths_drift(ray_cluster, tmp_path):
+    """The plan assumes 1-token responses; the run measures ~6: every 2 steps it re-plans at the
+    measured length and logs the event with its predicted figures (then the plan's length is the
+    measured one: no second event while it holds)."""
+    cfg = RunConfig(steps=5, eval_every=0, checkpoint_every=0, staleness="auto", replan_every=2)
+    wl = f"{WORKLOAD},mean_response_len=1"
+    out = run(
+        request(tmp_path, flow=_flow(tmp_path), cluster="local:2", workload=wl, config=cfg, steps=5, pins=SEPARATE),
+        progress=False,
+    )
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    events = [e for e in lines if e.get("event") == "replan"]
+    rows = _rows(out)
+    assert len(events) == 1 and events[0]["step"] == 2
+    (ev,) = events
+    assert ev["replan/planned_response_len"] == 1.0
+    assert ev["replan/measured_response_len"] == pytest.approx(sum(r["response_length/mean"] for r in rows[:2]) / 2, abs=1e-3)
+    assert ev["replan/predicted_step_s"] > 0 and ev["replan/best_step_s"] > 0 and ev["replan/best_gain"] > 0
+    assert ev["replan/staleness_to"] in (0, 1) and set(ev["replan/staleness_step_s"]) == {"0", "1"}
+    assert ev["replan/best_placement"] == "actor.gen ×1 | actor.train ×1"  # the run's pins hold in the re-plan
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+
+
 def test_the_lock_step_run_is_unchanged_by_the_pipeline(ray_cluster, tmp_path):
     """staleness 0 issues the same calls as before: the first step of a K=1 run (which samples the
     same initial weights) equals the lock-step run's."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
+from helpers import DECOUPLED_FLOW
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,18 +20,7 @@ from flowc.passes.pins import parse_pins, pins_from_plan
 from flowc.passes.pipeline import make_plan
 from flowc.passes.schedule import period
 
-FLOW = """
-import flowc as fc
-
-@fc.flow
-def decoupled(prompts: fc.Prompts, actor: fc.Policy, ref: fc.Reference, reward: fc.Reward, *, n: int = 8):
-    rollout = actor.generate(prompts, n=n)
-    old = actor.logprobs(rollout)
-    ref_logp = ref.logprobs(rollout)
-    adv = fc.ops.group_normalize(reward(rollout), group_size=n)
-    actor.update(rollout, advantages=adv, old_logprobs=old, ref_logprobs=ref_logp,
-                 loss=fc.losses.{loss}, kl_coef=0.001)
-"""
+FLOW = DECOUPLED_FLOW
 WORKLOAD = WorkloadSpec(prompts=128, prompt_len=512, response_len=4096, mean_response_len=2000)
 
 
@@ -194,3 +186,136 @@ def test_run_config_takes_a_staleness_or_auto():
     for bad in ("soon", 17, -1):
         with pytest.raises(ValidationError):
             RunConfig(staleness=bad)
+
+
+# ----------------------------------------------------------- @fc.flow(max_staleness=K)
+def _write(tmp_path, loss: str):
+    path = tmp_path / "undeclared.py"
+    path.write_text(FLOW.replace("{loss}", loss))
+    return path
+
+
+def _declared(tmp_path, bound: int, loss: str = "decoupled_ppo(0.2)"):
+    path = tmp_path / f"declared{bound}.py"
+    path.write_text(FLOW.replace("@fc.flow\n", f"@fc.flow(max_staleness={bound})\n").replace("{loss}", loss))
+    return load_flow(str(path))
+
+
+def test_a_flow_declares_its_staleness_bound_and_the_graph_keeps_it(tmp_path):
+    from flowc.ir.serialize import from_json, to_json
+    from flowc.ir.text import format_graph
+
+    g = _declared(tmp_path, 2).trace()
+    assert g.max_staleness == 2
+    assert "staleness ≤ 2 weight version(s) (declared: @fc.flow(max_staleness=2))" in format_graph(g)
+    again = from_json(to_json(g))
+    assert again.max_staleness == 2 and again.with_nodes(again.nodes).max_staleness == 2
+    assert '"max_staleness": 2' in to_json(g)
+    undeclared = load_flow(str(_write(tmp_path, "decoupled_ppo(0.2)"))).trace()
+    assert undeclared.max_staleness is None and "max_staleness" not in to_json(undeclared)
+    assert "staleness ≤" not in format_graph(undeclared)
+
+
+def test_the_declared_bound_is_checked_when_traced_and_must_be_a_version_count(tmp_path):
+    from flowc.errors import SignatureError
+
+    naive = _declared(tmp_path, 1, loss="ppo_clip(0.2)")
+    with pytest.raises(SpecError, match=r"@fc\.flow\(max_staleness=1\) on 'decoupled': .*assumes on-policy") as e:
+        naive.trace()
+    assert "decoupled_ppo" in e.value.fix and "max_staleness=0" in e.value.fix
+    assert _declared(tmp_path, 0, loss="ppo_clip(0.2)").trace().max_staleness == 0  # 0 promises nothing
+    for bad in ("-1", "17", "1.5", "True", "'one'"):
+        path = tmp_path / "bad.py"
+        path.write_text(FLOW.replace("@fc.flow\n", f"@fc.flow(max_staleness={bad})\n").replace("{loss}", "decoupled_ppo(0.2)"))
+        with pytest.raises(SignatureError, match="whole number of weight versions"):
+            load_flow(str(path))
+
+
+def test_a_declared_bound_lets_the_planner_choose_within_it_and_refuses_more(tmp_path):
+    """No staleness asked: the planner chooses in 0 … K (auto, bounded); an explicit K above the
+    bound is refused with the fix; a bound of 0 plans lock-step and says why."""
+    m = ModelSpec.resolve("qwen2.5-1.5b")
+    wl = WorkloadSpec(prompts=128, prompt_len=512, response_len=4096, mean_response_len=1200)
+    cluster = ClusterSpec.parse("4x8xH100")
+
+    def plan(g, pins: list[str]):
+        return make_plan(g, {"actor": m, "ref": m}, cluster, wl, parse_pins(pins))[0]
+
+    one = _declared(tmp_path, 1).trace()
+    chosen = plan(one, [])
+    assert chosen.staleness == 1  # the workload where running ahead pays (the auto test above)
+    assert chosen.why[0].startswith("Staleness (auto, within the flow's max_staleness=1): 1 — step time by staleness: 0 → ")
+    assert plan(one, ["staleness=0"]).staleness == 0  # asking for less is allowed
+    with pytest.raises(SpecError, match=r"staleness=2, but flow decoupled declares @fc.flow\(max_staleness=1\)") as e:
+        plan(one, ["staleness=2"])
+    assert "0 … 1" in e.value.fix
+    zero = plan(_declared(tmp_path, 0).trace(), [])
+    assert zero.staleness == 0 and zero.why[0] == "Staleness: 0, lock-step — the flow declares @fc.flow(max_staleness=0)."
+    auto_zero = plan(_declared(tmp_path, 0).trace(), ["staleness=auto"])
+    assert auto_zero.staleness == 0 and "the flow declares @fc.flow(max_staleness=0)" in auto_zero.why[0]
+    lock = plan(one, ["staleness=0"])
+    assert pins_from_plan(lock).staleness == 0  # replaying a lock-step plan of a bounded flow stays lock-step
+    replayed, _, _ = make_plan(one, {"actor": m, "ref": m}, cluster, wl, pins_from_plan(lock))
+    assert replayed.staleness == 0 and replayed.predicted.step_time_s == pytest.approx(lock.predicted.step_time_s)
+
+
+def test_an_undeclared_flow_is_lock_step_by_default_and_the_plan_says_why(graph, tmp_path):
+    assert (
+        _plan(graph, [])
+        .why[0]
+        .startswith(
+            "Staleness: 0, lock-step (the default) — the flow's loss corrects for off-policy samples, so it could run ahead"
+        )
+    )
+    plain = _plan(load_flow(str(_write(tmp_path, "ppo_clip(0.2)"))).trace(), [])
+    assert plain.why[0].startswith(
+        "Staleness: 0, lock-step (the default) — this flow cannot run ahead: actor.update(loss=ppo_clip"
+    )
+    assert "assumes on-policy samples" in plain.why[0]
+    assert _plan(graph, ["staleness=0"]).why[0].startswith("Searched")  # asked for: no line
+
+
+# ----------------------------------------------------------- the diagram's steady state
+@pytest.mark.parametrize(
+    "pins, cluster",
+    [
+        (["staleness=1", "colocate=actor.train,ref;actor.gen"], "2x8xH100"),
+        (["staleness=1", "colocate=actor.train;actor.gen,ref"], "2x8xH100"),
+        (["staleness=2"], "4x8xH100"),
+        (["staleness=1", "colocate=actor.train,actor.gen,ref"], "1x8xH100"),
+        ([], "2x8xH100"),
+    ],
+)
+def test_the_diagram_draws_two_steps_of_the_steady_state_within_their_periods(graph, pins, cluster):
+    """Each of the two steps' bars lies within its period, no two bars of a pool overlap, every op
+    of the schedule is drawn once per step, and a pipelined plan's generates are the next step's."""
+    from flowc.export import to_html
+    from flowc.ir.steady_state import pipelined_spans
+
+    m = ModelSpec.resolve("qwen2.5-7b")
+    plan, planned, _ = make_plan(graph, {"actor": m, "ref": m}, ClusterSpec.parse(cluster), WORKLOAD, parse_pins(pins))
+    period = plan.predicted.step_time_s
+    spans = pipelined_spans(plan)
+    drawn = [e for e in plan.schedule if e.end_s > e.start_s or e.pool]
+    for j in (0, 1):
+        window = [sp for sp in spans if sp.start_s >= j * period - 1e-9 and sp.start_s < (j + 1) * period - 1e-9]
+        assert sorted(sp.entry.op for sp in window) == sorted(e.op for e in drawn)
+        assert all(sp.end_s <= (j + 1) * period + 1e-5 for sp in window), (j, period, window)  # (the plan rounds to µs)
+        for sp in window:
+            ahead = plan.staleness and planned[sp.entry.op].op == "generate"
+            assert sp.step == j + (1 if ahead else 0)
+            assert sp.end_s - sp.start_s == pytest.approx(sp.entry.end_s - sp.entry.start_s)
+    by_pool: dict[str, list] = {}
+    for sp in spans:
+        if sp.entry.pool is not None and sp.end_s > sp.start_s:
+            by_pool.setdefault(sp.entry.pool, []).append((sp.start_s, sp.end_s))
+    for pool, bars in by_pool.items():
+        bars.sort()
+        assert all(a[1] <= b[0] + 1e-5 for a, b in pairwise(bars)), pool
+    page = to_html(plan, planned)
+    if plan.staleness:
+        assert f"steady state, staleness {plan.staleness}: steps s and s+1" in page
+        assert 'id="steady-state"' in page and "actor.generate [s+1]" in page and 'data-step="2"' in page
+        assert "steady state (staleness" in format_plan(plan)
+    else:
+        assert 'id="steady-state"' not in page and "[s+1]" not in page and "steady state" not in format_plan(plan)

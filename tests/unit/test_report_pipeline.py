@@ -1,0 +1,68 @@
+"""`flowc report` on a pipelined run: the staleness histogram, the importance-ratio statistics and
+each pool's measured busy time against the plan's."""
+
+from __future__ import annotations
+
+import json
+
+from flowc.report import draw, pipeline_summary, pool_figures, staleness_histogram
+
+
+def _write(tmp_path, rows: list[dict]) -> None:
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _rows(lags: list[int]) -> list[dict]:
+    rows = [{"event": "start"}]
+    for s, lag in enumerate(lags):
+        rows.append(
+            {
+                "step": s + 1,
+                "step_s": 0.5 + 0.1 * s,
+                "reward": 0.1 * s,
+                "rollout/staleness": lag,
+                "rollout/buffered": min(2, len(lags) - 1 - s),
+                "actor/is_weight": 1.0 + 0.01 * s,
+                "actor/is_cut_frac": 0.0 if s < 2 else 0.25,
+                "actor/mismatch_kl": 1e-3 * s,
+                "pool/actor.gen/busy_s": 0.2,
+                "pool/actor.gen/busy_predicted_s": 0.25,
+                "pool/actor.gen/idle_fraction": 0.6,
+                "pool/actor.train/busy_s": 0.45,
+                "pool/actor.train/busy_predicted_s": 0.3,
+                "pool/actor.train/idle_fraction": 0.1,
+            }
+        )
+    return rows
+
+
+def test_the_histogram_counts_steps_by_lag_and_the_pools_average_per_step():
+    rows = _rows([0, 1, 2, 2, 2])
+    assert staleness_histogram(rows) == {0: 1, 1: 1, 2: 3}
+    assert staleness_histogram([{"step_s": 1.0}, {"step_s": 1.0}]) == {0: 2}  # lock-step: every step 0 behind
+    pools = pool_figures(rows[1:])
+    assert pools["actor.gen"] == {"busy_s": 0.2, "busy_predicted_s": 0.25, "idle_fraction": 0.6}
+    assert pools["actor.train"]["busy_s"] == 0.45
+
+
+def test_report_prints_and_draws_the_pipeline(tmp_path):
+    _write(tmp_path, _rows([0, 1, 2, 2]))
+    text = pipeline_summary(tmp_path)
+    assert "  0 behind: 1 step(s)\n  1 behind: 1 step(s)\n  2 behind: 2 step(s)" in text
+    assert "rollout buffer: at most 2 step(s) issued ahead of the trainer" in text
+    assert "actor/is_weight: 1.015" in text and "actor/is_cut_frac: 0.125" in text
+    assert "actor.gen: 0.2 s / 0.25 s (0.80×), idle 60%" in text
+    assert "actor.train: 0.45 s / 0.3 s (1.50×), idle 10%" in text
+    png = draw(tmp_path)
+    assert png.stat().st_size > 10_000
+    import matplotlib.image as mpimg
+
+    assert mpimg.imread(png).shape[0] == 1200  # three rows of panels at 100 dpi
+
+
+def test_a_run_without_pipeline_figures_has_no_summary_and_two_rows(tmp_path):
+    _write(tmp_path, [{"step": 1, "step_s": 0.4, "reward": 0.2}])
+    assert pipeline_summary(tmp_path) == ""
+    import matplotlib.image as mpimg
+
+    assert mpimg.imread(draw(tmp_path)).shape[0] == 800
