@@ -38,9 +38,9 @@ sys.path.insert(0, str(HERE / "grpo_vs_trl"))
 from run import model_dir  # noqa: E402  (bench/grpo_vs_trl/run.py: the shipped and the 34M model)
 
 SPLIT = ["--pin", "colocate=actor.train,ref;actor.gen"]
-CONFIGS = {
-    "lock-step (planned)": [],
-    "lock-step (split)": SPLIT,
+CONFIGS = {  # (the flow declares max_staleness=2: without --staleness the planner would choose it)
+    "lock-step (planned)": ["--staleness", "0"],
+    "lock-step (split)": [*SPLIT, "--staleness", "0"],
     "staleness 1 (split)": [*SPLIT, "--staleness", "1"],
     "staleness 2 (split)": [*SPLIT, "--staleness", "2"],
 }

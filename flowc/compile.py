@@ -68,10 +68,7 @@ def compile_plan(
     best: Plan | None = None
     for c in candidates:
         target = run_target(c, config, rollout, here=here)
-        specs = {
-            r: ModelSpec.resolve(src).model_copy(update={"dtype": target.dtype, "lora": loras.get(r)})
-            for r, src in sources.items()
-        }
+        specs = role_specs(sources, loras, target.dtype)
         for r, lora in loras.items():
             if why := lora_refusal(specs[r], lora):
                 raise SpecError(
@@ -91,6 +88,12 @@ def compile_plan(
         if best is None or plan.predicted.step_time_s < best.predicted.step_time_s:
             best = plan
     return best
+
+
+def role_specs(sources: dict[str, str], loras: dict[str, LoraConfig], dtype: str) -> dict[str, ModelSpec]:
+    """Each role's model as the planner prices it: its source resolved, in the run's dtype, with
+    its LoRA adapters (:func:`lora_roles`)."""
+    return {r: ModelSpec.resolve(src).model_copy(update={"dtype": dtype, "lora": loras.get(r)}) for r, src in sources.items()}
 
 
 def lora_roles(g: FlowGraph, config: RunConfig, pins: Pins | None = None) -> dict[str, LoraConfig]:
@@ -115,6 +118,12 @@ def check_saved(plan: Plan, g: FlowGraph, sources: dict[str, str], *, what: str)
 
     if plan.flow != g.name:
         raise SpecError(f"{what} is a plan of flow {plan.flow!r}, not {g.name!r}", fix="give the plan of this flow")
+    if g.max_staleness is not None and plan.staleness > g.max_staleness:
+        raise SpecError(
+            f"{what} runs the rollouts {plan.staleness} weight version(s) behind the trainer, but flow {g.name!r}"
+            f" declares @fc.flow(max_staleness={g.max_staleness})",
+            fix="plan the flow again (flowc plan … --for-run -o plan.json)",
+        )
     if _shape(to_dict(g)) != _shape(plan.graph):
         raise SpecError(
             f"{what} was planned for another version of flow {g.name!r} (its graph or hyperparameters differ)",

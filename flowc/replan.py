@@ -122,6 +122,7 @@ def replan(
     step: int,
     plan: Plan,
     g: FlowGraph,
+    models: dict[str, ModelSpec],
     measured: float,
     *,
     may_switch: bool,
@@ -129,16 +130,17 @@ def replan(
     out_dir: Path | None = None,
 ) -> Replan:
     """Plan ``plan``'s flow again at the measured mean response length ``measured`` (the caller
-    decided it drifted). ``best_plan(workload) -> Plan`` plans every placement as the run was
-    planned (its pins, cluster, rollout backend); ``may_switch``: the run's staleness is the
-    planner's to choose, so a better one on this placement is switched to."""
+    decided it drifted), ``models`` priced as the run prices them (dtype, LoRA:
+    ``flowc.compile.role_specs``). ``best_plan(workload) -> Plan`` plans every placement as the run
+    was planned (its pins, cluster, rollout backend); ``may_switch``: the run's staleness is the
+    planner's to choose, so the staleness the planner would now choose on this placement is
+    switched to (a larger one only when more than the tolerance faster, as ``auto`` chooses)."""
     from flowc.errors import SpecError
     from flowc.ir.verify import check_staleness
     from flowc.passes.pins import Pins, pins_from_plan
     from flowc.passes.pipeline import AUTO_STALENESS, AUTO_TOLERANCE, make_plan
 
     wl = at_length(WorkloadSpec.model_validate(plan.workload), measured)
-    models = {r: ModelSpec.resolve(rp.model).model_copy(update={"dtype": plan.target.dtype}) for r, rp in plan.roles.items()}
     cluster = plan.cluster_spec()
     fixed = pins_from_plan(plan)
 
@@ -157,7 +159,10 @@ def replan(
     by_k = {k: (current if k == plan.staleness else priced(k)) for k in sorted(ks)}
     fastest = min(by_k.values())
     chosen = min(k for k, s in by_k.items() if s <= fastest * (1 + AUTO_TOLERANCE))
-    switch = may_switch and chosen != plan.staleness and by_k[chosen] * (1 + AUTO_TOLERANCE) < current
+    # lower: fresher samples within the tolerance; higher: only when it pays more than the tolerance
+    switch = may_switch and (
+        chosen < plan.staleness or (chosen > plan.staleness and by_k[chosen] * (1 + AUTO_TOLERANCE) < current)
+    )
     best = best_plan(wl)
     r = Replan(
         step=step,
@@ -170,15 +175,20 @@ def replan(
         switched=switch,
         best=best,
     )
-    differs = [p.units for p in best.pools] != [p.units for p in plan.pools] or [p.device_count for p in best.pools] != [
-        p.device_count for p in plan.pools
-    ]
+    differs = _placement(best) != _placement(plan)
     if differs and r.best_gain > 1 + REPLACE_GAIN and out_dir is not None:
         path = out_dir / "replans" / f"step-{step:06d}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(best.to_json() + "\n")
         r.best_path = path
     return r
+
+
+def _placement(plan: Plan) -> tuple:
+    """What a restart would change: the pools (units, devices) and every phase's layout."""
+    pools = tuple((tuple(p.units), p.device_count) for p in plan.pools)
+    layouts = tuple(sorted((r, ph, pp.layout.model_dump_json()) for r, rp in plan.roles.items() for ph, pp in rp.phases.items()))
+    return pools, layouts
 
 
 __all__ = ["REPLACE_GAIN", "Replan", "at_length", "measured_length", "planned_length", "replan"]

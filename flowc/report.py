@@ -3,8 +3,8 @@
 Panels: reward (mean ± spread) and training accuracy; held-out accuracy;
 KL to the reference and the policy loss; and, per op, the time the planner
 predicted beside the time measured at every step (so the cost model's error
-is always in view). A run whose metrics have the pipeline's figures (rollout staleness, the
-importance weights of an off-policy correction, each pool's busy time) gets a third row: the
+is always in view). A run whose rollouts may lag the trainer (staleness K, or a run that was
+switched to it: its metrics report ``rollout/staleness``) gets a third row: the
 staleness histogram with the importance-ratio statistics, and each pool's busy time per step,
 measured against predicted, with its idle share; :func:`pipeline_summary` says the same in text.
 """
@@ -115,7 +115,8 @@ def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:
 
 # --------------------------------------------------------------- the pipeline's figures
 def _has_pipeline(rows: list[dict[str, Any]]) -> bool:
-    return any("rollout/staleness" in r or any(k.startswith("pool/") for k in r) for r in rows)
+    """A run whose rollouts may lag the trainer (it reports their lag); lock-step runs do not."""
+    return any("rollout/staleness" in r for r in rows)
 
 
 def staleness_histogram(rows: list[dict[str, Any]]) -> dict[int, int]:
@@ -153,7 +154,7 @@ def pipeline_summary(run_dir: str | Path) -> str:
     """The pipeline's figures of a run in text: the staleness histogram over its steps, the
     importance-ratio statistics of its corrections and the rollout/trainer mismatch, and each
     pool's measured busy time against the plan's with its idle share. Empty for a run without
-    them."""
+    them (a lock-step run)."""
     rows = [r for r in load_metrics(run_dir) if "step_s" in r]
     if not _has_pipeline(rows):
         return ""
@@ -173,11 +174,12 @@ def pipeline_summary(run_dir: str | Path) -> str:
         for pool, f in pools.items():
             busy, pred, idle = f.get("busy_s"), f.get("busy_predicted_s"), f.get("idle_fraction")
             ratio = f" ({busy / pred:.2f}×)" if busy is not None and pred else ""
-            lines.append(
-                f"  {pool}: {busy if busy is not None else float('nan'):.3g} s / "
-                f"{pred if pred is not None else float('nan'):.3g} s{ratio}, idle {idle if idle is not None else 0.0:.0%}"
-            )
+            lines.append(f"  {pool}: {_num(busy, '.3g')} s / {_num(pred, '.3g')} s{ratio}, idle {_num(idle, '.0%')}")
     return "\n".join(lines)
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
 
 
 def _draw_pipeline(axes: Any, rows: list[dict[str, Any]]) -> None:

@@ -346,6 +346,9 @@ class Plan(BaseModel):
     pins: dict[str, object] = {}
     search: dict[str, object] = {}
     staleness: int = 0  # weight versions the rollouts may lag the trainer (0: lock-step); the runtime's RunConfig.staleness
+    # with staleness ≥ 1: one step of the pipelined loop's steady state, from its start (the ahead
+    # generates of a later step first, then this step's other ops and syncs); it ends at the period
+    steady_state: list[ScheduleEntry] = []
 
     @model_validator(mode="before")
     @classmethod

@@ -143,7 +143,7 @@ def _schedule(plan: Plan) -> list[str]:
         if e.end_s > e.start_s or e.pool
     ]
     out = ["", "schedule (one iteration)", *_table(["start", "end", "op", "pool"], rows, right={0, 1})]
-    if plan.staleness:
+    if plan.staleness and plan.steady_state:
         spans = sorted(pipelined_spans(plan), key=lambda sp: (sp.start_s, sp.step))
         steady = [
             [
@@ -156,8 +156,8 @@ def _schedule(plan: Plan) -> list[str]:
             for sp in spans
         ]
         head = (
-            f"steady state (staleness {plan.staleness}: two steps of {plan.predicted.step_time_s:.2f} s; s+1: rollouts"
-            " generated ahead)"
+            f"steady state (staleness {plan.staleness}: two steps of {plan.predicted.step_time_s:.2f} s; a generate of"
+            f" step s+{plan.staleness} runs while step s trains)"
         )
         out += ["", head, *_table(["start", "end", "op", "step", "pool"], steady, right={0, 1})]
     return out

@@ -247,10 +247,11 @@ def _phase(pool: str, d: int, devs: str, lay: Layout, mem: Memory, cap: float, i
 # ------------------------------------------------------------------ timeline
 def timeline(
     g: FlowGraph, ctx: PlanContext, pl: Placement, rs: list[ReshardPlan], pools: list[PoolPlan]
-) -> tuple[float, float, list[ScheduleEntry], list[PoolPlan]]:
+) -> tuple[float, float, list[ScheduleEntry], list[PoolPlan], list[ScheduleEntry]]:
     """One iteration's list schedule (the search's :func:`simulate`, on the
     winner): the step time (with staleness, the pipelined period), one iteration's
-    span, its entries, and the pools with their busy time."""
+    span, its entries, the pools with their busy time, and (with staleness) one step of the
+    steady state's entries (:func:`steady_window`)."""
     units = {u.name: u for u in ctx.units}
     ops = [replace(o, pool=pl.pool_of_unit[ctx.unit_of_op[o.id]] if o.pool is not None else None) for o in ctx.ops]
     times = {op: np.array([t]) for c in pl.cand.choices for op, t in c.op_times.items()}
@@ -265,24 +266,32 @@ def timeline(
         sync_times[s.id] = np.array([r.time_s])
     sizes = [np.array([float(s)]) for s in pl.cand.sizes]
     k = ctx.pins.staleness or 0
+    window: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     step, spans, busy = simulate(
-        ops, syncs, times, sync_times, sizes, ctx.hw.pool_bw, ctx.hw.controller_bw, record=True, staleness=k
+        ops, syncs, times, sync_times, sizes, ctx.hw.pool_bw, ctx.hw.controller_bw, record=True, staleness=k, window=window
     )
     step_s = float(step[0])
     iteration_s = max((float(e[0]) for _, e in spans.values()), default=0.0)
     sync_role = {s.id: s.role for s in syncs}
-    entries = []
-    for oid, (s, e) in sorted(spans.items(), key=lambda kv: (float(kv[1][0][0]), float(kv[1][1][0]), kv[0])):
-        if oid in sync_role:
-            role, phase = sync_role[oid], "sync"
-            pool = pools[pl.pool_of_unit[gen_unit(units.values(), role).name]].name
-        else:
-            n = g[oid]
-            role, phase = n.role, PHASE_OF_OP.get(n.op)
-            pool = pools[pl.pool_of_unit[ctx.unit_of_op[oid]]].name if n.op in MODEL_OPS else None
-        entries.append(
-            ScheduleEntry(op=oid, role=role, phase=phase, pool=pool, start_s=round(float(s[0]), 6), end_s=round(float(e[0]), 6))
-        )
+
+    def entries_of(recorded: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[ScheduleEntry]:
+        out = []
+        for oid, (s, e) in sorted(recorded.items(), key=lambda kv: (float(kv[1][0][0]), float(kv[1][1][0]), kv[0])):
+            if oid in sync_role:
+                role, phase = sync_role[oid], "sync"
+                pool = pools[pl.pool_of_unit[gen_unit(units.values(), role).name]].name
+            else:
+                n = g[oid]
+                role, phase = n.role, PHASE_OF_OP.get(n.op)
+                pool = pools[pl.pool_of_unit[ctx.unit_of_op[oid]]].name if n.op in MODEL_OPS else None
+            out.append(
+                ScheduleEntry(
+                    op=oid, role=role, phase=phase, pool=pool, start_s=round(float(s[0]), 6), end_s=round(float(e[0]), 6)
+                )
+            )
+        return out
+
+    entries, steady = entries_of(spans), entries_of(window)
     pools = [
         p.model_copy(
             update={
@@ -292,7 +301,7 @@ def timeline(
         )
         for i, p in enumerate(pools)
     ]
-    return step_s, iteration_s, entries, pools
+    return step_s, iteration_s, entries, pools, steady
 
 
 # ----------------------------------------------------------------- predicted

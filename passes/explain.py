@@ -213,11 +213,17 @@ def pipelined_note(k: int, plan_body: dict) -> list[str]:
     if busiest.busy_s >= step * 0.999:
         bound = f"pool {busiest.name} is busy all of it (its ops and weight syncs of one step)"
     else:
-        bound = "the rest of the iteration after its rollouts (a later step's rollouts are generated meanwhile)"
+        bound = (
+            "the step's own ops and syncs, in the order the runtime issues them, end then (a later step's rollouts"
+            " are generated meanwhile)"
+        )
     gain = f"{it / step:.2f}× the lock-step throughput" if step > 0 else "no gain"
     head = f"Staleness {k}: the rollouts of step s+{k} are sampled while step s trains"
     if it <= step * 1.001:
-        return [f"{head}, but every pool runs its share one after another here: {step:.2f} s per step either way (no gain)."]
+        return [
+            f"{head}, but nothing overlaps here (one pool, or the step's ops wait behind the generate on the pool they"
+            f" share): {step:.2f} s per step either way (no gain)."
+        ]
     more = (
         f" A staleness of {k} overlaps no more than 1 does: the runtime waits for each step's weight sync, so only"
         " one later generate runs beside each step; the samples are only older."

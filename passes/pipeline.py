@@ -99,7 +99,7 @@ def insert_weight_sync(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
 def assemble_plan(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
     result, pl = ctx.search, ctx.placement
     roles, pools = build.phases(ctx, pl)
-    step, iteration, schedule, pools = build.timeline(g, ctx, pl, ctx.reshards, pools)
+    step, iteration, schedule, pools, steady = build.timeline(g, ctx, pl, ctx.reshards, pools)
     k = ctx.pins.staleness or 0
     body = {
         "predicted": build.predicted(g, ctx, step, iteration if k else None),
@@ -107,6 +107,7 @@ def assemble_plan(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
         "pools": pools,
         "reshards": ctx.reshards,
         "schedule": schedule,
+        "steady_state": steady,
     }
     ctx.plan = Plan(
         flow=g.name,

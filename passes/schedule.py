@@ -7,7 +7,8 @@ After the last update of a policy its weights move to the generation layout
 (``weight_sync``): on the pool itself when co-located, on both pools' links
 when not. The step time is when everything, the sync included, is done — the
 next iteration's ``generate`` needs the new weights — unless the rollouts may lag the
-trainer (staleness K ≥ 1): then it is the pipelined loop's period (:func:`period`).
+trainer (staleness K ≥ 1): then it is the pipelined loop's period, one steady-state step
+(:func:`steady_window`).
 
 :func:`simulate` works on numpy arrays so the search can evaluate many device
 splits at once: every time is an array over candidates.
@@ -69,22 +70,80 @@ def simulate(
     *,
     record: bool = False,
     staleness: int = 0,
+    window: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
     """Finish time of the step for every candidate (and, with ``record``,
-    start/end of every op and sync). ``times`` holds per-op durations;
+    start/end of every op and sync of one iteration). ``times`` holds per-op durations;
     ``pool_sizes[i]`` the device count of pool i per candidate. With ``staleness`` K ≥ 1 the
-    step time is the pipelined loop's period (:func:`period`), the spans one iteration's."""
+    step time is the pipelined loop's period, the steady-state window's end (:func:`steady_window`;
+    ``window``, when given, receives its spans), and the spans one lock-step iteration's."""
+    step, spans, busy = _list_schedule(ops, syncs, times, sync_times, pool_sizes, per_device_bw, controller_bw, record)
+    if staleness <= 0:
+        return step, spans, busy
+    per, win = steady_window(ops, syncs, times, sync_times, pool_sizes, per_device_bw, controller_bw, record=window is not None)
+    if window is not None:
+        window.update(win)
+    return per, spans, busy
+
+
+def steady_window(
+    ops: list[OpSpec],
+    syncs: list[SyncSpec],
+    times: dict[str, np.ndarray],
+    sync_times: dict[str, np.ndarray],
+    pool_sizes: list[np.ndarray],
+    per_device_bw: float,
+    controller_bw: float,
+    *,
+    record: bool = False,
+) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """One step of the pipelined loop (staleness K ≥ 1) as the runtime runs it: the controller
+    issues a later step's generates first (their pools start on them at once), then this step's
+    other ops, whose rollouts were generated during the previous step (ready at the start, less
+    their transfer), then the weight syncs — on the generation pool after the generate issued
+    before them. The step ends when all of it is done: the controller waits for its syncs. Its
+    end is the loop's period: at least every pool's busy time, at most one lock-step iteration
+    (an op on a pool the generate holds waits for it, and everything after it does too)."""
+    ahead = [o for o in ops if o.ahead]
+    needed: set[str] = set()  # what the generates read (the prompts: check_staleness), scheduled before them
+    todo = [d for o in ahead for d, _ in o.deps]
+    while todo:
+        d = todo.pop()
+        if d not in needed:
+            needed.add(d)
+            todo += [x for o in ops if o.id == d for x, _ in o.deps]
+    first = [o for o in ops if o.id in needed and not o.ahead]
+    order = first + ahead + [o for o in ops if not o.ahead and o.id not in needed]
+    end, spans, _ = _list_schedule(
+        order, syncs, times, sync_times, pool_sizes, per_device_bw, controller_bw, record, done={o.id for o in ahead}
+    )
+    return end, spans
+
+
+def _list_schedule(
+    ops: list[OpSpec],
+    syncs: list[SyncSpec],
+    times: dict[str, np.ndarray],
+    sync_times: dict[str, np.ndarray],
+    pool_sizes: list[np.ndarray],
+    per_device_bw: float,
+    controller_bw: float,
+    record: bool,
+    done: set[str] | None = None,
+) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
+    """List-schedule ``ops`` in the order given, then ``syncs``; the outputs of ``done`` (ops
+    whose earlier instance produced them) are ready at 0 for their consumers, less the transfer."""
     n = len(next(iter(pool_sizes))) if pool_sizes else 1
+    done = done or set()
     free = [np.zeros(n) for _ in pool_sizes]
     busy = [np.zeros(n) for _ in pool_sizes]
-    rollouts = np.zeros(n)  # when the iteration's generates are done
     finish: dict[str, np.ndarray] = {}
     spans: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     pool_of = {o.id: o.pool for o in ops}
     for o in ops:
         start = np.zeros(n)
         for src, b in o.deps:
-            ready = finish[src]
+            ready = np.zeros(n) if src in done else finish[src]
             sp, dp = pool_of[src], o.pool
             if b > 0 and sp != dp:
                 if sp is None or dp is None:
@@ -101,8 +160,6 @@ def simulate(
         else:
             end = start + (dur if dur is not None else 0.0)
         finish[o.id] = end
-        if o.ahead:
-            rollouts = np.maximum(rollouts, end)
         if record:
             spans[o.id] = (start, end)
     step = np.max(np.stack(list(finish.values())), axis=0) if finish else np.zeros(n)
@@ -117,23 +174,4 @@ def simulate(
         step = np.maximum(step, end)
         if record:
             spans[s.id] = (start, end)
-    return period(step, busy, staleness, rollouts), spans, busy
-
-
-def period(iteration: np.ndarray, busy: list[np.ndarray], staleness: int, rollouts: np.ndarray | float = 0.0) -> np.ndarray:
-    """The steady-state time per step of a loop whose rollouts may lag the trainer by ``staleness``
-    (K ≥ 1) weight versions, as the runtime runs it: during step s the rollout engine generates a
-    later step's rollouts while the rest of step s — everything after its rollouts are ready, at
-    ``rollouts`` into the iteration — runs, and the step ends when both are done (the controller
-    waits for step s's weight sync, which the engine runs after the generates issued before it).
-    So a step takes the longer of the rest of the iteration (``iteration − rollouts``) and the
-    busiest pool's ops and syncs of one step. That holds for every K ≥ 1: one later generate
-    overlaps each step, a larger K only makes the samples older (and absorbs step-to-step
-    variance, which this model does not price). Lock-step (K = 0) is the iteration itself;
-    co-located on one pool, the busiest pool is the whole iteration: no gain."""
-    if staleness <= 0:
-        return iteration
-    out = iteration - rollouts
-    for b in busy:
-        out = np.maximum(out, b)
-    return out
+    return step, spans, busy

@@ -294,7 +294,7 @@ class Controller:
                 self._exec(st, it)
         m = step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
         self._check_lag(step, it, m)
-        if self._pipelined:  # the rollout buffer: later steps' rollouts issued while this one trained (≤ K)
+        if self._pipelined:  # the rollout buffer at the end of the step: later steps' rollouts issued, not yet trained on (≤ K)
             m["rollout/buffered"] = len(self._ahead)
         for st in self.p.steps_of(Op.WEIGHT_SYNC):  # (waited for already: the metrics read every op's results)
             diff = self._check_sync(st, self._wait(st, it.metas[st.node], "weight sync"), step)

@@ -184,3 +184,17 @@ def test_a_saved_lock_step_plan_is_not_run_ahead(tmp_path):
         prepare(request(tmp_path, flow=_flow(tmp_path), cluster="local:1", config=cfg1, plan_file=str(saved), workload=None))
     ahead = prepare(request(tmp_path, flow=_flow(tmp_path), cluster="local:1", workload=WORKLOAD, config=cfg1))
     assert ahead.plan.staleness == 1 and ahead.run.program.staleness == 1
+
+
+def test_a_saved_plan_may_not_lag_more_than_the_flow_declares(tmp_path):
+    """A plan made at staleness 2 before the flow declared max_staleness=1 is refused when run."""
+    cfg2 = RunConfig(steps=2, eval_every=0, checkpoint_every=0, staleness=2)
+    prep = prepare(request(tmp_path, flow=_flow(tmp_path), cluster="local:1", workload=WORKLOAD, config=cfg2))
+    saved = tmp_path / "plan.json"
+    saved.write_text(prep.plan.model_dump_json())
+    path = tmp_path / "bounded.py"
+    path.write_text(FLOW.replace("@fc.flow\n", "@fc.flow(max_staleness=1)\n").replace("{loss}", "decoupled_ppo(0.2)"))
+    cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0)
+    with pytest.raises(SpecError, match=r"2 weight version\(s\) behind the trainer, but flow 'decoupled' declares") as e:
+        prepare(request(tmp_path, flow=load_flow(str(path)), cluster="local:1", config=cfg, plan_file=str(saved), workload=None))
+    assert "plan the flow again" in e.value.fix

@@ -18,7 +18,7 @@ from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
 from flowc.passes.pins import parse_pins, pins_from_plan
 from flowc.passes.pipeline import make_plan
-from flowc.passes.schedule import period
+from flowc.passes.schedule import OpSpec, SyncSpec, simulate
 
 FLOW = DECOUPLED_FLOW
 WORKLOAD = WorkloadSpec(prompts=128, prompt_len=512, response_len=4096, mean_response_len=2000)
@@ -37,13 +37,31 @@ def _plan(g, pins: list[str], cluster: str = "2x8xH100"):
     return plan
 
 
-def test_period_is_the_iteration_lock_step_else_the_busiest_pool_or_the_rest_after_the_rollouts():
-    it = np.array([10.0, 10.0, 10.0])
-    busy = [np.array([6.0, 3.0, 9.0]), np.array([4.0, 2.0, 1.0])]
-    rollouts = np.array([4.0, 7.0, 0.5])  # when each candidate's generates are done
-    assert list(period(it, busy, 0, rollouts)) == [10.0, 10.0, 10.0]
-    assert list(period(it, busy, 1, rollouts)) == [6.0, 3.0, 9.5]  # rest 6 = pool 6; pool 3 > rest 3? equal; rest 9.5
-    assert list(period(it, busy, 3, rollouts)) == list(period(it, busy, 1, rollouts))  # one later generate per step, any K
+def _window(ops, pools: int, times: dict[str, float], sync: tuple[str, tuple[int, ...], float]):
+    specs = [OpSpec(i, p, tuple((d, 0.0) for d in deps), ahead) for i, p, deps, ahead in ops]
+    syncs = [SyncSpec("actor", sync[0], sync[1])]
+    arr = {k: np.array([v]) for k, v in times.items()}
+    sizes = [np.array([1.0]) for _ in range(pools)]
+    lock, _, _ = simulate(specs, syncs, arr, {syncs[0].id: np.array([sync[2]])}, sizes, 1e12, 1e12)
+    win: dict = {}
+    per, _, _ = simulate(specs, syncs, arr, {syncs[0].id: np.array([sync[2]])}, sizes, 1e12, 1e12, staleness=1, window=win)
+    return float(lock[0]), float(per[0]), {k: (float(s[0]), float(e[0])) for k, (s, e) in win.items()}
+
+
+def test_the_period_is_one_steady_state_step_as_the_runtime_issues_it():
+    """The next step's generate is issued first: on its own pool it overlaps the training; an op
+    that shares its pool waits behind it, and so does everything after that op."""
+    times = {"gen": 6.0, "ref": 3.0, "upd": 4.0}
+    split = [("gen", 0, (), True), ("ref", 1, ("gen",), False), ("upd", 1, ("ref",), False)]
+    lock, per, win = _window(split, 2, times, ("upd", (1, 0), 0.5))
+    assert lock == 13.5 and per == 7.5  # max(gen 6, ref+upd 7) + the sync on both pools
+    assert win["gen"] == (0.0, 6.0) and win["ref"] == (0.0, 3.0) and win["actor.weight_sync"] == (7.0, 7.5)
+    shared = [("gen", 0, (), True), ("ref", 0, ("gen",), False), ("upd", 1, ("ref",), False)]
+    lock, per, win = _window(shared, 2, times, ("upd", (1, 0), 0.5))
+    assert per == 13.5 == lock  # ref queues behind the next step's generate, the update behind ref: no gain
+    assert win["ref"] == (6.0, 9.0) and win["upd"] == (9.0, 13.0)
+    one = [("gen", 0, (), True), ("ref", 0, ("gen",), False), ("upd", 0, ("ref",), False)]
+    assert _window(one, 1, times, ("upd", (0,), 0.5))[1] == 13.5  # one pool: the iteration
 
 
 def test_separate_pools_overlap_generation_with_training(graph):
@@ -76,13 +94,13 @@ def test_one_shared_pool_gains_nothing(graph):
 @given(k=st.integers(1, 3), cluster=st.sampled_from(["1x8xH100", "2x8xH100", "4x8xH20"]))
 def test_a_pipelined_plan_is_never_slower_than_lock_step_and_respects_its_bounds(graph, k, cluster):
     """Every candidate's period is at most its iteration, so the search's best can only improve;
-    the period is at least the busiest pool's time and the rest of the iteration after its
-    rollouts; and every K ≥ 1 prices the same (one later generate overlaps each step)."""
+    the period is at least the busiest pool's time and is where the steady-state step ends; and
+    every K ≥ 1 prices the same (one later generate overlaps each step)."""
     lock, ahead = _plan(graph, [], cluster), _plan(graph, [f"staleness={k}"], cluster)
     p = ahead.predicted
     assert p.step_time_s <= lock.predicted.step_time_s * (1 + 1e-6)
     assert p.step_time_s >= max(x.busy_s for x in ahead.pools) * (1 - 1e-4)
-    assert p.step_time_s >= (p.iteration_s - max(e.end_s for e in ahead.schedule if e.phase == "generate")) * (1 - 1e-6)
+    assert p.step_time_s == pytest.approx(max(e.end_s for e in ahead.steady_state), abs=1e-5)
     assert p.iteration_s >= p.step_time_s * (1 - 1e-6)
     if k > 1:
         assert p.step_time_s == pytest.approx(_plan(graph, ["staleness=1"], cluster).predicted.step_time_s, rel=1e-9)
@@ -297,14 +315,22 @@ def test_the_diagram_draws_two_steps_of_the_steady_state_within_their_periods(gr
     period = plan.predicted.step_time_s
     spans = pipelined_spans(plan)
     drawn = [e for e in plan.schedule if e.end_s > e.start_s or e.pool]
+    durations = {e.op: e.end_s - e.start_s for e in plan.schedule}
     for j in (0, 1):
         window = [sp for sp in spans if sp.start_s >= j * period - 1e-9 and sp.start_s < (j + 1) * period - 1e-9]
         assert sorted(sp.entry.op for sp in window) == sorted(e.op for e in drawn)
         assert all(sp.end_s <= (j + 1) * period + 1e-5 for sp in window), (j, period, window)  # (the plan rounds to µs)
+        at = {sp.entry.op: sp for sp in window}
         for sp in window:
             ahead = plan.staleness and planned[sp.entry.op].op == "generate"
-            assert sp.step == j + (1 if ahead else 0)
-            assert sp.end_s - sp.start_s == pytest.approx(sp.entry.end_s - sp.entry.start_s)
+            assert sp.step == j + (plan.staleness if ahead else 0)  # a generate runs K steps ahead
+            assert sp.end_s - sp.start_s == pytest.approx(durations[sp.entry.op], abs=2e-6)
+            if ahead or sp.entry.op not in planned:
+                continue
+            for e in planned.inputs(sp.entry.op):  # no op starts before what it reads of its own step is done
+                src = at.get(e.src)
+                if src is not None and src.step == sp.step:
+                    assert src.end_s <= sp.start_s + 1e-5, (src, sp)
     by_pool: dict[str, list] = {}
     for sp in spans:
         if sp.entry.pool is not None and sp.end_s > sp.start_s:
@@ -315,7 +341,8 @@ def test_the_diagram_draws_two_steps_of_the_steady_state_within_their_periods(gr
     page = to_html(plan, planned)
     if plan.staleness:
         assert f"steady state, staleness {plan.staleness}: steps s and s+1" in page
-        assert 'id="steady-state"' in page and "actor.generate [s+1]" in page and 'data-step="2"' in page
+        assert 'id="steady-state"' in page and f"actor.generate [s+{plan.staleness}]" in page
+        assert f'data-step="{plan.staleness + 1}"' in page
         assert "steady state (staleness" in format_plan(plan)
     else:
         assert 'id="steady-state"' not in page and "[s+1]" not in page and "steady state" not in format_plan(plan)

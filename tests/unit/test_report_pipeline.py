@@ -46,12 +46,14 @@ def test_the_histogram_counts_steps_by_lag_and_the_pools_average_per_step():
 
 
 def test_report_prints_and_draws_the_pipeline(tmp_path):
-    _write(tmp_path, _rows([0, 1, 2, 2]))
+    rows = _rows([0, 1, 2, 2])
+    del rows[2]["pool/actor.gen/idle_fraction"]  # a figure missing is said so, not shown as 0
+    _write(tmp_path, rows)
     text = pipeline_summary(tmp_path)
     assert "  0 behind: 1 step(s)\n  1 behind: 1 step(s)\n  2 behind: 2 step(s)" in text
     assert "rollout buffer: at most 2 step(s) issued ahead of the trainer" in text
     assert "actor/is_weight: 1.015" in text and "actor/is_cut_frac: 0.125" in text
-    assert "actor.gen: 0.2 s / 0.25 s (0.80×), idle 60%" in text
+    assert "actor.gen: 0.2 s / 0.25 s (0.80×), idle 60%" in text  # (the mean of the steps that report it)
     assert "actor.train: 0.45 s / 0.3 s (1.50×), idle 10%" in text
     png = draw(tmp_path)
     assert png.stat().st_size > 10_000
@@ -60,8 +62,9 @@ def test_report_prints_and_draws_the_pipeline(tmp_path):
     assert mpimg.imread(png).shape[0] == 1200  # three rows of panels at 100 dpi
 
 
-def test_a_run_without_pipeline_figures_has_no_summary_and_two_rows(tmp_path):
-    _write(tmp_path, [{"step": 1, "step_s": 0.4, "reward": 0.2}])
+def test_a_lock_step_run_has_no_summary_and_two_rows(tmp_path):
+    lock = {k: v for k, v in _rows([0])[1].items() if not k.startswith("rollout/")}  # its pools, but no lag
+    _write(tmp_path, [lock])
     assert pipeline_summary(tmp_path) == ""
     import matplotlib.image as mpimg
 
