@@ -21,7 +21,7 @@ import itertools
 
 from flowc.errors import FlowcError, VerificationError
 from flowc.ir.ops import MODEL_OPS, Op
-from flowc.ir.plan import Plan
+from flowc.ir.plan import Plan, ScheduleEntry
 
 
 def device_ids(spec: str) -> set[int]:
@@ -102,17 +102,10 @@ def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
             and not any(r.role == role and r.dst_phase == "generate" for r in plan.reshards)
         ):
             raise VerificationError(f"role {role} trains and generates but has no reshard into generation")
-    by_pool: dict[str, list[tuple[float, float, str]]] = {}
     for e in plan.schedule:
         if e.end_s + tol < e.start_s:
             raise VerificationError(f"schedule: {e.op} ends before it starts")
-        if e.pool:
-            by_pool.setdefault(e.pool, []).append((e.start_s, e.end_s, e.op))
-    for pool, spans in by_pool.items():
-        spans.sort()
-        for (_, e1, a), (s2, _, b) in itertools.pairwise(spans):
-            if s2 + 1e-6 < e1:
-                raise VerificationError(f"schedule: {a} and {b} overlap on pool {pool}")
+    _no_overlap(plan.schedule, "schedule")
     ops = [e.op for e in plan.schedule]
     if len(ops) != len(set(ops)):
         raise VerificationError("schedule lists an op twice")
@@ -132,6 +125,19 @@ def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
         raise VerificationError(f"predicted step {pred.step_time_s} s is not the schedule's end {end} s")
 
 
+def _no_overlap(entries: list[ScheduleEntry], what: str) -> None:
+    """No two of ``entries`` run at once on one pool."""
+    by_pool: dict[str, list[tuple[float, float, str]]] = {}
+    for e in entries:
+        if e.pool:
+            by_pool.setdefault(e.pool, []).append((e.start_s, e.end_s, e.op))
+    for pool, spans in by_pool.items():
+        spans.sort()
+        for (_, e1, a), (s2, _, b) in itertools.pairwise(spans):
+            if s2 + 1e-6 < e1:
+                raise VerificationError(f"{what}: {a} and {b} overlap on pool {pool}")
+
+
 def _verify_steady_state(plan: Plan, tol: float) -> None:
     """A pipelined plan's steady-state step: the schedule's ops once each, no two at once on a
     pool, and it ends at the predicted step time (the period)."""
@@ -140,15 +146,7 @@ def _verify_steady_state(plan: Plan, tol: float) -> None:
         raise VerificationError(f"a plan with staleness {plan.staleness} has no steady_state")
     if sorted(e.op for e in steady) != sorted(e.op for e in plan.schedule):
         raise VerificationError("steady_state does not list the schedule's ops once each")
-    by_pool: dict[str, list[tuple[float, float, str]]] = {}
-    for e in steady:
-        if e.pool:
-            by_pool.setdefault(e.pool, []).append((e.start_s, e.end_s, e.op))
-    for pool, spans in by_pool.items():
-        spans.sort()
-        for (_, e1, a), (s2, _, b) in itertools.pairwise(spans):
-            if s2 + 1e-6 < e1:
-                raise VerificationError(f"steady_state: {a} and {b} overlap on pool {pool}")
+    _no_overlap(steady, "steady_state")
     end = max(e.end_s for e in steady)
     if abs(end - plan.predicted.step_time_s) > 1e-3 * max(1.0, end) + tol:
         raise VerificationError(f"steady_state ends at {end} s, not at the predicted step {plan.predicted.step_time_s} s")

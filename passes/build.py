@@ -251,7 +251,7 @@ def timeline(
     """One iteration's list schedule (the search's :func:`simulate`, on the
     winner): the step time (with staleness, the pipelined period), one iteration's
     span, its entries, the pools with their busy time, and (with staleness) one step of the
-    steady state's entries (:func:`steady_window`)."""
+    steady state's entries (:func:`steady_order`)."""
     units = {u.name: u for u in ctx.units}
     ops = [replace(o, pool=pl.pool_of_unit[ctx.unit_of_op[o.id]] if o.pool is not None else None) for o in ctx.ops]
     times = {op: np.array([t]) for c in pl.cand.choices for op, t in c.op_times.items()}

@@ -8,7 +8,7 @@ After the last update of a policy its weights move to the generation layout
 when not. The step time is when everything, the sync included, is done — the
 next iteration's ``generate`` needs the new weights — unless the rollouts may lag the
 trainer (staleness K ≥ 1): then it is the pipelined loop's period, one steady-state step
-(:func:`steady_window`).
+(:func:`steady_order`).
 
 :func:`simulate` works on numpy arrays so the search can evaluate many device
 splits at once: every time is an array over candidates.
@@ -75,37 +75,31 @@ def simulate(
     """Finish time of the step for every candidate (and, with ``record``,
     start/end of every op and sync of one iteration). ``times`` holds per-op durations;
     ``pool_sizes[i]`` the device count of pool i per candidate. With ``staleness`` K ≥ 1 the
-    step time is the pipelined loop's period, the steady-state window's end (:func:`steady_window`;
-    ``window``, when given, receives its spans), and the spans one lock-step iteration's."""
-    step, spans, busy = _list_schedule(ops, syncs, times, sync_times, pool_sizes, per_device_bw, controller_bw, record)
+    step time is the pipelined loop's period: where one steady-state step ends
+    (:func:`steady_order`; ``window``, when given, receives its spans). The spans and the pools'
+    busy times are one lock-step iteration's."""
+    durations, bw = (times, sync_times), (per_device_bw, controller_bw)
+    step, spans, busy = _list_schedule(ops, syncs, durations, pool_sizes, bw, record)
     if staleness <= 0:
         return step, spans, busy
-    per, win = steady_window(ops, syncs, times, sync_times, pool_sizes, per_device_bw, controller_bw, record=window is not None)
+    order, done = steady_order(ops)
+    per, win, _ = _list_schedule(order, syncs, durations, pool_sizes, bw, window is not None, done)
     if window is not None:
         window.update(win)
     return per, spans, busy
 
 
-def steady_window(
-    ops: list[OpSpec],
-    syncs: list[SyncSpec],
-    times: dict[str, np.ndarray],
-    sync_times: dict[str, np.ndarray],
-    pool_sizes: list[np.ndarray],
-    per_device_bw: float,
-    controller_bw: float,
-    *,
-    record: bool = False,
-) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """One step of the pipelined loop (staleness K ≥ 1) as the runtime runs it: the controller
-    issues a later step's generates first (their pools start on them at once), then this step's
-    other ops, whose rollouts were generated during the previous step (ready at the start, less
-    their transfer), then the weight syncs — on the generation pool after the generate issued
-    before them. The step ends when all of it is done: the controller waits for its syncs. Its
-    end is the loop's period: at least every pool's busy time, at most one lock-step iteration
-    (an op on a pool the generate holds waits for it, and everything after it does too)."""
+def steady_order(ops: list[OpSpec]) -> tuple[list[OpSpec], set[str]]:
+    """One step of the pipelined loop (staleness K ≥ 1) as the runtime issues it: what the
+    generates read (the prompts: ``check_staleness``), then a later step's generates (their pools
+    start on them at once), then this step's other ops, whose rollouts were generated during the
+    previous step — so the generates are ``done`` for them, ready at the start less their transfer —
+    then the weight syncs, on the generation pool after the generate issued before them. The step
+    ends when all of it is done (the controller waits for its syncs): the loop's period, at least
+    every pool's busy time and at most one lock-step iteration (an op on a pool the generate holds
+    waits for it, and so does everything that reads that op)."""
     ahead = [o for o in ops if o.ahead]
-    needed: set[str] = set()  # what the generates read (the prompts: check_staleness), scheduled before them
+    needed: set[str] = set()
     todo = [d for o in ahead for d, _ in o.deps]
     while todo:
         d = todo.pop()
@@ -113,26 +107,22 @@ def steady_window(
             needed.add(d)
             todo += [x for o in ops if o.id == d for x, _ in o.deps]
     first = [o for o in ops if o.id in needed and not o.ahead]
-    order = first + ahead + [o for o in ops if not o.ahead and o.id not in needed]
-    end, spans, _ = _list_schedule(
-        order, syncs, times, sync_times, pool_sizes, per_device_bw, controller_bw, record, done={o.id for o in ahead}
-    )
-    return end, spans
+    return first + ahead + [o for o in ops if not o.ahead and o.id not in needed], {o.id for o in ahead}
 
 
 def _list_schedule(
     ops: list[OpSpec],
     syncs: list[SyncSpec],
-    times: dict[str, np.ndarray],
-    sync_times: dict[str, np.ndarray],
+    durations: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
     pool_sizes: list[np.ndarray],
-    per_device_bw: float,
-    controller_bw: float,
+    bw: tuple[float, float],
     record: bool,
     done: set[str] | None = None,
 ) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
-    """List-schedule ``ops`` in the order given, then ``syncs``; the outputs of ``done`` (ops
-    whose earlier instance produced them) are ready at 0 for their consumers, less the transfer."""
+    """List-schedule ``ops`` in the order given, then ``syncs`` (``durations``: the ops' and the
+    syncs' seconds; ``bw``: per-device and controller bytes/s); the outputs of ``done`` (ops whose
+    earlier instance produced them) are ready at 0 for their consumers, less the transfer."""
+    (times, sync_times), (per_device_bw, controller_bw) = durations, bw
     n = len(next(iter(pool_sizes))) if pool_sizes else 1
     done = done or set()
     free = [np.zeros(n) for _ in pool_sizes]
