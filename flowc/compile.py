@@ -118,11 +118,22 @@ def check_saved(plan: Plan, g: FlowGraph, sources: dict[str, str], *, what: str)
 
     if plan.flow != g.name:
         raise SpecError(f"{what} is a plan of flow {plan.flow!r}, not {g.name!r}", fix="give the plan of this flow")
+    again = (
+        "start a new run (a run keeps the plan it started with)"
+        if what.startswith("the run's plan")
+        else "plan the flow again (flowc plan … --for-run -o plan.json)"
+    )
     if g.max_staleness is not None and plan.staleness > g.max_staleness:
         raise SpecError(
             f"{what} runs the rollouts {plan.staleness} weight version(s) behind the trainer, but flow {g.name!r}"
             f" declares @fc.flow(max_staleness={g.max_staleness})",
-            fix="plan the flow again (flowc plan … --for-run -o plan.json)",
+            fix=again,
+        )
+    if plan.staleness and not plan.steady_state:
+        raise SpecError(
+            f"{what} runs the rollouts {plan.staleness} weight version(s) ahead but records no steady state: an earlier"
+            " flowc made it, pricing the pipelined loop by a formula that can be wrong",
+            fix=again,
         )
     if _shape(to_dict(g)) != _shape(plan.graph):
         raise SpecError(

@@ -511,9 +511,10 @@ def _maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: i
             )
 
         r = replan(step, current, g, models, measured, may_switch=may_switch, best_plan=best_plan, out_dir=p.run.out_dir)
-    except FlowcError as e:
-        log.write({"event": "replan", "step": step, "replan/measured_response_len": round(measured, 3), "replan/error": e.what})
-        print(f"note: step {step}: re-planning at the measured response length {measured:.1f} failed: {e.what};"
+    except Exception as e:  # advisory: nothing it raises stops the run (Ctrl-C is not an Exception)
+        what = e.what if isinstance(e, FlowcError) else f"{type(e).__name__}: {e}"
+        log.write({"event": "replan", "step": step, "replan/measured_response_len": round(measured, 3), "replan/error": what})
+        print(f"note: step {step}: re-planning at the measured response length {measured:.1f} failed: {what};"
               " the run goes on with its plan", file=sys.stderr)  # fmt: skip
         return current.model_copy(update={"workload": moved.model_dump()})
     log.write(r.event())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flowc.errors import SpecError
 from flowc.ir.plan import Plan, ScheduleEntry
 
 
@@ -25,9 +26,14 @@ def pipelined_spans(plan: Plan, windows: int = 2) -> list[Span]:
     ``j × step time``. A pipelined plan (staleness K) repeats its steady-state step
     (``plan.steady_state``: the planner's simulation of one step, from the search's own
     scheduler), whose generates sample step ``j + K``'s rollouts while step ``j`` trains; a
-    lock-step plan (or one saved before steady states were recorded) its one-iteration schedule."""
+    lock-step plan its one-iteration schedule."""
     period = plan.predicted.step_time_s
-    steady = plan.staleness > 0 and bool(plan.steady_state)
+    steady = plan.staleness > 0
+    if steady and not plan.steady_state:
+        raise SpecError(
+            f"this plan runs {plan.staleness} weight version(s) ahead but records no steady state (an earlier flowc made it)",
+            fix="plan the flow again with this flowc",
+        )
     entries = [e for e in (plan.steady_state if steady else plan.schedule) if e.end_s > e.start_s or e.pool]
     return [
         Span(e, j + (plan.staleness if steady and e.phase == "generate" else 0), j * period + e.start_s, j * period + e.end_s)

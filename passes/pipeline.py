@@ -249,7 +249,7 @@ def _plan_once(
 
 
 # the staleness bounds the planner chooses among: in this runtime one later generate overlaps each
-# step whatever K ≥ 1 (schedule.period), so a larger K would only make the samples older
+# step whatever K ≥ 1 (schedule.steady_order), so a larger K would only make the samples older
 AUTO_STALENESS = (0, 1)
 AUTO_TOLERANCE = 0.02  # a larger K must be this much faster: older samples cost learning
 

@@ -119,9 +119,12 @@ def _list_schedule(
     record: bool,
     done: set[str] | None = None,
 ) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
-    """List-schedule ``ops`` in the order given, then ``syncs`` (``durations``: the ops' and the
-    syncs' seconds; ``bw``: per-device and controller bytes/s); the outputs of ``done`` (ops whose
-    earlier instance produced them) are ready at 0 for their consumers, less the transfer."""
+    """List-schedule ``ops`` in the order the controller issues them, then ``syncs``
+    (``durations``: the ops' and the syncs' seconds; ``bw``: per-device and controller bytes/s);
+    the outputs of ``done`` (ops whose earlier instance produced them) are ready at 0 for their
+    consumers, less the transfer. A device op is issued without waiting for it; a controller op
+    (``pool`` None: compute, reward) runs in the controller, which issues nothing after it until
+    it is done — so it holds back every later op, on any pool (the issue clock)."""
     (times, sync_times), (per_device_bw, controller_bw) = durations, bw
     n = len(next(iter(pool_sizes))) if pool_sizes else 1
     done = done or set()
@@ -130,8 +133,9 @@ def _list_schedule(
     finish: dict[str, np.ndarray] = {}
     spans: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     pool_of = {o.id: o.pool for o in ops}
+    issue = np.zeros(n)  # when the controller is free to issue the next op
     for o in ops:
-        start = np.zeros(n)
+        start = issue
         for src, b in o.deps:
             ready = np.zeros(n) if src in done else finish[src]
             sp, dp = pool_of[src], o.pool
@@ -149,12 +153,13 @@ def _list_schedule(
             busy[o.pool] = busy[o.pool] + dur
         else:
             end = start + (dur if dur is not None else 0.0)
+            issue = end
         finish[o.id] = end
         if record:
             spans[o.id] = (start, end)
     step = np.max(np.stack(list(finish.values())), axis=0) if finish else np.zeros(n)
     for s in syncs:
-        start = finish[s.after]
+        start = np.maximum(finish[s.after], issue)
         for p in s.pools:
             start = np.maximum(start, free[p])
         end = start + sync_times[s.id]

@@ -157,3 +157,14 @@ def test_a_failing_replan_is_said_and_the_run_goes_on(tmp_path, capsys):
     assert ev["event"] == "replan" and "no-such-model" in ev["replan/error"] and ctl.switched_to == []
     assert "the run goes on with its plan" in capsys.readouterr().err
     assert after.staleness == 0 and after.workload["mean_response_len"] == 1200.0  # not retried until it moves again
+
+
+def test_a_replan_that_fails_outside_the_planner_does_not_stop_the_run_either(tmp_path, capsys):
+    """A file where the re-plan writes its plans: an OSError, said, and the run goes on."""
+    from flowc.ir.run_config import RunConfig
+
+    (tmp_path / "replans").write_text("in the way")
+    _, ctl, log = _replan_in_run(tmp_path, config=RunConfig(replan_every=2))
+    (ev,) = log.rows
+    assert ev["replan/error"].startswith(("FileExistsError", "NotADirectoryError")) and ctl.switched_to == []
+    assert "the run goes on with its plan" in capsys.readouterr().err
