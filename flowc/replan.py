@@ -20,14 +20,20 @@ Every re-plan is one ``{"event": "replan", …}`` line in ``metrics.jsonl`` and 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from flowc.errors import FlowcError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Plan
 from flowc.ir.workload import WorkloadSpec
+
+if TYPE_CHECKING:
+    from flowc.run import Prepared, RunRequest
+    from flowc.trackers import MetricsLog
 
 REPLACE_GAIN = 0.05  # a re-placed plan must be this much faster to be worth a restart's mention
 
@@ -135,10 +141,8 @@ def replan(
     was planned (its pins, cluster, rollout backend); ``may_switch``: the run's staleness is the
     planner's to choose, so the staleness the planner would now choose on this placement is
     switched to (a larger one only when more than the tolerance faster, as ``auto`` chooses)."""
-    from flowc.errors import SpecError
-    from flowc.ir.verify import check_staleness
     from flowc.passes.pins import Pins, pins_from_plan
-    from flowc.passes.pipeline import AUTO_STALENESS, AUTO_TOLERANCE, make_plan
+    from flowc.passes.pipeline import AUTO_TOLERANCE, make_plan, smallest_within, staleness_choices
 
     wl = at_length(WorkloadSpec.model_validate(plan.workload), measured)
     cluster = plan.cluster_spec()
@@ -149,16 +153,9 @@ def replan(
         return again.predicted.step_time_s
 
     current = priced(plan.staleness)
-    ks = [k for k in AUTO_STALENESS if g.max_staleness is None or k <= g.max_staleness]
-    try:
-        check_staleness(g, 1)
-    except SpecError:
-        ks = [0]
-    if plan.staleness not in ks:
-        ks.append(plan.staleness)
-    by_k = {k: (current if k == plan.staleness else priced(k)) for k in sorted(ks)}
-    fastest = min(by_k.values())
-    chosen = min(k for k, s in by_k.items() if s <= fastest * (1 + AUTO_TOLERANCE))
+    ks = sorted({*staleness_choices(g)[0], plan.staleness})
+    by_k = {k: (current if k == plan.staleness else priced(k)) for k in ks}
+    chosen = smallest_within(by_k)
     # lower: fresher samples within the tolerance; higher: only when it pays more than the tolerance
     switch = may_switch and (
         chosen < plan.staleness or (chosen > plan.staleness and by_k[chosen] * (1 + AUTO_TOLERANCE) < current)
@@ -184,6 +181,59 @@ def replan(
     return r
 
 
+def maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: int, log: MetricsLog) -> Plan:
+    """``replan_every``: when the mean response length of the last steps drifted from ``current``'s
+    by more than ``replan_drift``, plan again at the measured length (``flowc.replan``), log it,
+    switch the staleness in place when the planner chooses it; returns the plan as it now stands.
+    A re-plan advises: when it fails, the run says why and goes on with its plan."""
+    from flowc.compile import compile_plan, lora_roles, role_specs
+    from flowc.passes.pins import parse_pins
+
+    cfg = p.run.config
+    rows = [r for r in ctl.history if "step_s" in r][-cfg.replan_every :]
+    raw = measured_length(rows)
+    wl = WorkloadSpec.model_validate(current.workload)
+    if raw is None:
+        return current
+    moved = at_length(wl, raw)  # within what the plan can price: 1 … response_len tokens
+    measured = float(moved.mean_response_len or raw)
+    if abs(measured / planned_length(wl) - 1.0) <= cfg.replan_drift:
+        return current
+    try:
+        g = req.flow.trace(**req.overrides)
+        # the staleness is the planner's to change only when the run let it choose (auto, or a bounded flow
+        # and no request), never on a saved plan (a saved plan runs unchanged)
+        asked = cfg.staleness if "staleness" in cfg.model_fields_set else parse_pins(req.pins).staleness
+        may_switch = not req.plan_file and (asked == "auto" or (asked is None and bool(g.max_staleness)))
+        models = role_specs(p.run.model_sources, lora_roles(g, cfg), current.target.dtype)
+
+        def best_plan(at: WorkloadSpec) -> Plan:
+            return compile_plan(
+                g,
+                p.run.model_sources,
+                current.cluster_spec(),
+                at,
+                cfg,
+                pin_words=req.pins,
+                rollout=req.rollout,
+                split_local=req.cluster == "local",
+                here=p.address is None,
+            )
+
+        r = replan(step, current, g, models, measured, may_switch=may_switch, best_plan=best_plan, out_dir=p.run.out_dir)
+    except Exception as e:  # advisory: nothing it raises stops the run (Ctrl-C is not an Exception)
+        what = e.what if isinstance(e, FlowcError) else f"{type(e).__name__}: {e}"
+        log.write({"event": "replan", "step": step, "replan/measured_response_len": round(measured, 3), "replan/error": what})
+        print(f"note: step {step}: re-planning at the measured response length {measured:.1f} failed: {what};"
+              " the run goes on with its plan", file=sys.stderr)  # fmt: skip
+        return current.model_copy(update={"workload": moved.model_dump()})
+    log.write(r.event())
+    print(f"note: {r.message()}", file=sys.stderr)
+    if r.switched:
+        ctl.set_staleness(r.staleness_to)
+    return current.model_copy(update={"workload": moved.model_dump(), "staleness": r.staleness_to})
+
+
 def _placement(plan: Plan) -> tuple:
     """What a restart would change: the pools (units, devices) and every phase's layout."""
     pools = tuple((tuple(p.units), p.device_count) for p in plan.pools)
@@ -191,4 +241,4 @@ def _placement(plan: Plan) -> tuple:
     return pools, layouts
 
 
-__all__ = ["REPLACE_GAIN", "Replan", "at_length", "measured_length", "planned_length", "replan"]
+__all__ = ["REPLACE_GAIN", "Replan", "at_length", "maybe_replan", "measured_length", "planned_length", "replan"]

@@ -385,6 +385,7 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
     a second signal aborts at once (the last finished checkpoint stays intact)."""
     import ray
 
+    from flowc.replan import maybe_replan
     from flowc.runtime.controller import Controller
     from flowc.runtime.ray_session import init_ray, shutdown_ray
 
@@ -428,7 +429,7 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                     log.write(m)
                     ctl.history.append({k: v for k, v in m.items() if k not in ("measured_s", "predicted_s", "samples")})
                     if cfg.replan_every and (step + 1) % cfg.replan_every == 0 and step + 1 < cfg.steps:
-                        current = _maybe_replan(req, p, ctl, current, step + 1, log)
+                        current = maybe_replan(req, p, ctl, current, step + 1, log)
                     bar.update(m)
                     if on_step is not None:
                         on_step(m)
@@ -468,60 +469,6 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
         if started:
             shutdown_ray()
     return out
-
-
-def _maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: int, log: MetricsLog) -> Plan:
-    """``replan_every``: when the mean response length of the last steps drifted from ``current``'s
-    by more than ``replan_drift``, plan again at the measured length (``flowc.replan``), log it,
-    switch the staleness in place when the planner chooses it; returns the plan as it now stands.
-    A re-plan advises: when it fails, the run says why and goes on with its plan."""
-    from flowc.compile import compile_plan, lora_roles, role_specs
-    from flowc.passes.pins import parse_pins
-    from flowc.replan import at_length, measured_length, planned_length, replan
-
-    cfg = p.run.config
-    rows = [r for r in ctl.history if "step_s" in r][-cfg.replan_every :]
-    raw = measured_length(rows)
-    wl = WorkloadSpec.model_validate(current.workload)
-    if raw is None:
-        return current
-    moved = at_length(wl, raw)  # within what the plan can price: 1 … response_len tokens
-    measured = float(moved.mean_response_len or raw)
-    if abs(measured / planned_length(wl) - 1.0) <= cfg.replan_drift:
-        return current
-    try:
-        g = req.flow.trace(**req.overrides)
-        # the staleness is the planner's to change only when the run let it choose (auto, or a bounded flow
-        # and no request), never on a saved plan (a saved plan runs unchanged)
-        asked = cfg.staleness if "staleness" in cfg.model_fields_set else parse_pins(req.pins).staleness
-        may_switch = not req.plan_file and (asked == "auto" or (asked is None and bool(g.max_staleness)))
-        models = role_specs(p.run.model_sources, lora_roles(g, cfg), current.target.dtype)
-
-        def best_plan(at: WorkloadSpec) -> Plan:
-            return compile_plan(
-                g,
-                p.run.model_sources,
-                current.cluster_spec(),
-                at,
-                cfg,
-                pin_words=req.pins,
-                rollout=req.rollout,
-                split_local=req.cluster == "local",
-                here=p.address is None,
-            )
-
-        r = replan(step, current, g, models, measured, may_switch=may_switch, best_plan=best_plan, out_dir=p.run.out_dir)
-    except Exception as e:  # advisory: nothing it raises stops the run (Ctrl-C is not an Exception)
-        what = e.what if isinstance(e, FlowcError) else f"{type(e).__name__}: {e}"
-        log.write({"event": "replan", "step": step, "replan/measured_response_len": round(measured, 3), "replan/error": what})
-        print(f"note: step {step}: re-planning at the measured response length {measured:.1f} failed: {what};"
-              " the run goes on with its plan", file=sys.stderr)  # fmt: skip
-        return current.model_copy(update={"workload": moved.model_dump()})
-    log.write(r.event())
-    print(f"note: {r.message()}", file=sys.stderr)
-    if r.switched:
-        ctl.set_staleness(r.staleness_to)
-    return current.model_copy(update={"workload": moved.model_dump(), "staleness": r.staleness_to})
 
 
 class _Abort(KeyboardInterrupt):

@@ -254,6 +254,27 @@ AUTO_STALENESS = (0, 1)
 AUTO_TOLERANCE = 0.02  # a larger K must be this much faster: older samples cost learning
 
 
+def staleness_choices(g: FlowGraph) -> tuple[tuple[int, ...], str | None]:
+    """The staleness values ``auto`` chooses among for ``g`` (:data:`AUTO_STALENESS` within the
+    flow's ``max_staleness``), and, when that is lock-step alone, why."""
+    bound = g.max_staleness
+    ks = tuple(k for k in AUTO_STALENESS if bound is None or k <= bound)
+    if ks == (0,):
+        return ks, f"the flow declares @fc.flow(max_staleness={bound})"
+    try:
+        check_staleness(g, 1)
+    except SpecError as e:
+        return (0,), f"this flow cannot run ahead: {_reason(e)}"
+    return ks, None
+
+
+def smallest_within(step_s: dict[int, float]) -> int:
+    """The smallest staleness whose step time is within :data:`AUTO_TOLERANCE` of the fastest:
+    a larger K must pay for its older samples."""
+    fastest = min(step_s.values())
+    return min(k for k, t in step_s.items() if t <= fastest * (1 + AUTO_TOLERANCE))
+
+
 def choose_staleness(
     g: FlowGraph,
     models: dict[str, ModelSpec],
@@ -268,20 +289,14 @@ def choose_staleness(
     staleness together) and keep the smallest K whose step is within :data:`AUTO_TOLERANCE` of the
     fastest; lock-step only when the flow cannot run ahead (``check_staleness``: why says so)."""
     bound = g.max_staleness
-    ks = tuple(k for k in AUTO_STALENESS if bound is None or k <= bound)
-    reason = f"the flow declares @fc.flow(max_staleness={bound})" if ks == (0,) else None
-    if reason is None:
-        try:
-            check_staleness(g, 1)
-        except SpecError as e:
-            ks, reason = (0,), f"this flow cannot run ahead: {_reason(e)}"
-    tried = [(k, _plan_once(g, models, cluster, workload, pins.merged(Pins(staleness=k)), target, verify_each)) for k in ks]
-    fastest = min(r[0].predicted.step_time_s for _, r in tried)
-    k, best = next((k, r) for k, r in tried if r[0].predicted.step_time_s <= fastest * (1 + AUTO_TOLERANCE))
+    ks, reason = staleness_choices(g)
+    tried = {k: _plan_once(g, models, cluster, workload, pins.merged(Pins(staleness=k)), target, verify_each) for k in ks}
+    k = smallest_within({k: r[0].predicted.step_time_s for k, r in tried.items()})
+    best = tried[k]
     if reason is not None:
         line = f"Staleness (auto): 0, lock-step — {reason}."
     else:
-        each = ", ".join(f"{k} → {r[0].predicted.step_time_s:.3g} s" for k, r in tried)
+        each = ", ".join(f"{k} → {r[0].predicted.step_time_s:.3g} s" for k, r in tried.items())
         within = f", within the flow's max_staleness={bound}" if bound is not None else ""
         line = (
             f"Staleness (auto{within}): {k} — step time by staleness: {each}; the smallest within"

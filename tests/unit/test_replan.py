@@ -91,7 +91,7 @@ def test_a_flow_without_a_correction_never_switches(tmp_path):
     assert set(r.by_staleness) == {0} and not r.switched
 
 
-# ----------------------------------------------------------- the run's side: flowc.run._maybe_replan
+# ----------------------------------------------------------- the run's side: flowc.replan.maybe_replan
 class _Log:
     def __init__(self) -> None:
         self.rows: list[dict] = []
@@ -112,7 +112,7 @@ class _Ctl:
 def _replan_in_run(tmp_path, *, config, pins=(), plan_file=None, sources=None, lengths=(1200.0, 1200.0)):
     from types import SimpleNamespace
 
-    from flowc.run import _maybe_replan
+    from flowc.replan import maybe_replan
 
     flow_path = tmp_path / "declared.py"
     flow_path.write_text(
@@ -126,7 +126,7 @@ def _replan_in_run(tmp_path, *, config, pins=(), plan_file=None, sources=None, l
         config=config, model_sources=sources or {"actor": "qwen2.5-1.5b", "ref": "qwen2.5-1.5b"}, out_dir=tmp_path
     )
     ctl, log = _Ctl(list(lengths)), _Log()
-    after = _maybe_replan(req, SimpleNamespace(run=run, address="ray://elsewhere"), ctl, plan, 2, log)
+    after = maybe_replan(req, SimpleNamespace(run=run, address="ray://elsewhere"), ctl, plan, 2, log)
     return after, ctl, log
 
 
