@@ -21,7 +21,7 @@ Every re-plan is one ``{"event": "replan", …}`` line in ``metrics.jsonl`` and 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +70,6 @@ class Replan:
     switched: bool  # the run changes its staleness in place
     best: Plan  # the best plan over every placement at the measured length
     best_path: Path | None = None  # where it was written (when worth a restart)
-    notes: list[str] = field(default_factory=list)
 
     @property
     def best_gain(self) -> float:
@@ -195,8 +194,8 @@ def maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: in
     wl = WorkloadSpec.model_validate(current.workload)
     if raw is None:
         return current
-    moved = at_length(wl, raw)  # within what the plan can price: 1 … response_len tokens
-    measured = float(moved.mean_response_len or raw)
+    measured = min(max(raw, 1.0), float(wl.response_len))  # what the plan can price: 1 … response_len tokens
+    moved = at_length(wl, measured)
     if abs(measured / planned_length(wl) - 1.0) <= cfg.replan_drift:
         return current
     try:

@@ -132,20 +132,19 @@ def staleness_histogram(rows: list[dict[str, Any]]) -> dict[int, int]:
 
 def pool_figures(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per pool: mean measured and predicted busy seconds per step and the mean idle share."""
-    acc: dict[str, dict[str, list[float]]] = {}
-    for r in rows:
-        for k, v in r.items():
-            if k.startswith("pool/") and isinstance(v, (int, float)):
-                pool, what = k[len("pool/") :].rsplit("/", 1)
-                acc.setdefault(pool, {}).setdefault(what, []).append(float(v))
-    return {pool: {w: sum(v) / len(v) for w, v in d.items()} for pool, d in sorted(acc.items())}
+    out: dict[str, dict[str, float]] = {}
+    for k, v in _means(rows, lambda k: k.startswith("pool/")).items():
+        pool, what = k[len("pool/") :].rsplit("/", 1)
+        out.setdefault(pool, {})[what] = v
+    return out
 
 
-def _means(rows: list[dict[str, Any]], suffix: str) -> dict[str, float]:
+def _means(rows: list[dict[str, Any]], keep: Any) -> dict[str, float]:
+    """The mean over ``rows`` of every numeric metric whose name ``keep`` accepts (over the rows that have it)."""
     acc: dict[str, list[float]] = {}
     for r in rows:
         for k, v in r.items():
-            if k.endswith(suffix) and isinstance(v, (int, float)):
+            if keep(k) and isinstance(v, (int, float)) and not isinstance(v, bool):
                 acc.setdefault(k, []).append(float(v))
     return {k: sum(v) / len(v) for k, v in sorted(acc.items())}
 
@@ -164,7 +163,7 @@ def pipeline_summary(run_dir: str | Path) -> str:
     buffered = [int(r["rollout/buffered"]) for r in rows if "rollout/buffered" in r]
     if buffered:
         lines.append(f"  rollout buffer: at most {max(buffered)} step(s) issued ahead of the trainer")
-    stats = {k: v for suffix in IS_KEYS for k, v in _means(rows, suffix).items()}
+    stats = _means(rows, lambda k: k.endswith(IS_KEYS))
     if stats:
         lines.append("off-policy statistics (mean over steps):")
         lines += [f"  {k}: {v:.4g}" for k, v in stats.items()]
@@ -186,7 +185,7 @@ def _draw_pipeline(axes: Any, rows: list[dict[str, Any]]) -> None:
     ax = axes[0]
     hist = staleness_histogram(rows)
     ax.bar([str(k) for k in hist], list(hist.values()), color="tab:purple", alpha=0.7)
-    stats = {k: v for suffix in IS_KEYS for k, v in _means(rows, suffix).items()}
+    stats = _means(rows, lambda k: k.endswith(IS_KEYS))
     means = " · ".join(f"{k.rsplit('/', 1)[1]} {v:.3g}" for k, v in stats.items())
     ax.set_xlabel("weight versions behind the trainer" + (f"\nmean {means}" if means else ""))
     ax.set_ylabel("steps")

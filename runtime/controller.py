@@ -32,7 +32,7 @@ from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.targets import resolve
 from flowc.ir.verify import check_staleness, filter_region
-from flowc.runtime.ahead import issued_ahead
+from flowc.runtime.ahead import RolloutBuffer
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.batches import (
     INLINE_BYTES,
@@ -129,11 +129,7 @@ class Controller:
         check_response_lengths(self.p, self.cfg)
         self._behaviour = behaviour_comparable(self.p, self.cfg)
         check_staleness(self.p.graph, self.p.staleness)  # a saved plan's too
-        # staleness K: the iterations whose rollouts were issued ahead (step → its Iteration), and the
-        # K in force when they were (a re-plan may lower it while they wait: their lag is bounded by it)
-        self._ahead: dict[int, Iteration] = {}
-        self._ahead_k: dict[int, int] = {}
-        self._pipelined = self.p.staleness > 0  # report the lag and the buffer (also after a switch to 0)
+        self._ahead: RolloutBuffer[Iteration] = RolloutBuffer()  # staleness K: later steps' rollouts, issued
         # a rollout engine's weight version is this plus the syncs it reports it has loaded (a resume's restore: its step − 1)
         self._load_base = 0
         self.rewards = Rewards(
@@ -283,8 +279,8 @@ class Controller:
     def run_step(self, step: int) -> dict[str, Any]:
         t_step = time.perf_counter()
         self._tally = StepTally()  # what the step adds up beyond its ops' reports (filter rounds, busy spans)
-        it = self._ahead.pop(step, None) or self._rollouts(step)
-        self._run_ahead(step)
+        it = self._ahead.take(step) or self._rollouts(step)
+        self._ahead.fill(step, self.p.staleness, self.cfg.steps, self._rollouts)
         for st in self.p.steps:
             if st.node in it.env:  # the prompts and rollouts, issued already
                 continue
@@ -294,8 +290,10 @@ class Controller:
                 self._exec(st, it)
         m = step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
         self._check_lag(step, it, m)
-        if self._pipelined:  # the rollout buffer at the end of the step: later steps' rollouts issued, not yet trained on (≤ K)
-            m["rollout/buffered"] = len(self._ahead)
+        if (
+            self._ahead.ran_ahead
+        ):  # the rollout buffer at the end of the step: later steps' rollouts issued, not yet trained on (≤ K)
+            m["rollout/buffered"] = len(self._ahead.waiting)
         for st in self.p.steps_of(Op.WEIGHT_SYNC):  # (waited for already: the metrics read every op's results)
             diff = self._check_sync(st, self._wait(st, it.metas[st.node], "weight sync"), step)
             if diff is not None:
@@ -308,21 +306,14 @@ class Controller:
         staleness K (``rollout/staleness``); anything else fails the run (a sync that did not reach
         the engine, or calls that ran out of order)."""
         synced = {st.args["to"] for st in self.p.steps_of(Op.WEIGHT_SYNC)}
-        bound = max(self.p.staleness, self._ahead_k.pop(step, 0))
         for st in self.p.steps_of(Op.GENERATE):
             if st.engine not in synced or st.node not in it.metas:
                 continue
-            loaded = first(self._wait(st, it.metas[st.node], "generate"), "weights_loaded")
-            lag = step - (self._load_base + int(loaded or 0))
-            if not 0 <= lag <= bound:
-                raise RuntimeFailure(
-                    f"step {step + 1}: {st.node} sampled with weight version {step - lag} (its engine had loaded"
-                    f" {loaded} weight syncs), {lag} version(s) behind the trainer; staleness={bound} allows 0"
-                    f"{f' to {bound}' if bound else ''}",
-                    fix="this is a flowc bug (a weight sync that did not reach the engine, or calls out of order); report it",
-                )
-            if self._pipelined:
+            loaded = int(first(self._wait(st, it.metas[st.node], "generate"), "weights_loaded") or 0)
+            lag = self._ahead.lag(step, self.p.staleness, self._load_base + loaded, st.node, loaded)
+            if self._ahead.ran_ahead:
                 m["rollout/staleness"] = lag
+        self._ahead.trained(step)
 
     def _check_sync(self, st: Step, metas: list[dict[str, Any]], step: int) -> float | None:
         """The sync's probe check (``runtime.sync_check``); None when the run does not check."""
@@ -341,14 +332,6 @@ class Controller:
                 self._exec(st, it)
         return it
 
-    def _run_ahead(self, step: int) -> None:
-        """Staleness K: issue the rollouts of steps up to ``step + K`` (within the run) before this
-        step's weight sync, so the engine samples them while the trainer trains."""
-        for s in issued_ahead(step, self.p.staleness, self.cfg.steps):
-            if s not in self._ahead:
-                self._ahead[s] = self._rollouts(s)
-                self._ahead_k[s] = self.p.staleness
-
     def set_staleness(self, k: int) -> None:
         """Change the staleness between steps (a re-plan, ``flowc.replan``): from the next step the
         rollouts of up to ``k`` later steps are issued ahead. Rollouts issued already stay and are
@@ -357,7 +340,6 @@ class Controller:
             return
         check_staleness(self.p.graph, k)
         self.p = replace(self.p, staleness=k)
-        self._pipelined = self._pipelined or k > 0
 
     def _iteration(self, step: int, round_: int) -> Iteration:
         """The prompts of ``step`` (a fresh draw of its own for each filter round) and the other data columns."""
