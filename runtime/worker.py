@@ -76,7 +76,9 @@ class Worker:
 
         if self.world == 1:
             return True
-        timeout = timedelta(seconds=self.timeout)
+        # a collective outlasts the controller's deadline for the call around it, so a stopped peer shows as
+        # "rank N did not answer" (the cause) before the survivors' collectives time out (the symptom)
+        timeout = timedelta(seconds=collective_timeout(self.timeout))
         held = getattr(self, "_store_socket", None)
         # rank 0 serves the store on the socket port() bound; left to itself, TCPStore listens on all interfaces
         store = dist.TCPStore(
@@ -318,6 +320,13 @@ class WorkerGroup:
                 ) from e
             if isinstance(cause, RuntimeFailure):
                 raise cause from None
+            silent = self._silent(lst)
+            if silent:  # a survivor's collective gave up on a peer that never answered: name the peer
+                raise WorkerTimeout(
+                    f"{what} on worker group {self.name} ({self.roles}) did not finish within {self.timeout:.0f} s{silent}"
+                    f" (then {what} failed{rank}: {type(cause).__name__}: {str(cause).splitlines()[0][:300]})",
+                    fix="raise timeout_s in the run config, or look for a hung or stopped worker (its pid is in placement.json)",
+                ) from e
             raise WorkerError(
                 f"{what} failed on worker group {self.name} ({self.roles}){rank}: {type(cause).__name__}: {cause}"
             ) from e
@@ -376,6 +385,12 @@ def _buckets(weights: Any, bucket_bytes: float) -> Any:
             bucket, size = {}, 0.0
     if bucket:
         yield bucket
+
+
+def collective_timeout(call_timeout_s: float) -> float:
+    """The process group's timeout for a run whose calls time out after ``call_timeout_s``: longer, so
+    the controller's deadline (which names the rank that did not answer) fires first."""
+    return 2.0 * call_timeout_s + 10.0
 
 
 def _dead_rank(refs: list[Any], group: WorkerGroup, wait_s: float) -> int | None:

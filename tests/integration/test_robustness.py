@@ -231,3 +231,32 @@ def test_a_local_cluster_starts_only_the_processes_a_run_uses(ray_cluster):
     assert any("gcs_server" in c for c in cmds) and any("raylet" in c for c in cmds), cmds
     extra = [c for c in cmds if "autoscaler/_private/monitor.py" in c or "dashboard/dashboard.py" in c]
     assert not extra, extra
+
+
+def test_a_collective_that_gives_up_on_a_silent_peer_names_the_peer(ray_cluster):
+    """A stopped rank shows first as a collective error on the survivors (gloo's "Timed out waiting …
+    for recv"); the error must name the rank that did not answer, not the survivor's symptom. The process
+    group also outlasts the call's deadline, so the deadline fires first on its own."""
+    from flowc.errors import WorkerTimeout
+    from flowc.runtime.worker import WorkerGroup, collective_timeout
+
+    assert collective_timeout(25) > 25
+
+    @ray_cluster.remote(num_cpus=0)
+    def survivor() -> None:
+        raise RuntimeError("Timed out waiting 25000ms for recv operation to complete")
+
+    @ray_cluster.remote(num_cpus=0)
+    def stopped() -> None:
+        import time
+
+        time.sleep(120)
+
+    group = object.__new__(WorkerGroup)
+    group.name, group.size, group.timeout, group.roles, group.workers = "g", 2, 2.0, "actor.train", [None, None]
+    refs = [survivor.remote(), stopped.remote()]
+    try:
+        with pytest.raises(WorkerTimeout, match=r"rank 1 of 2 did not answer \(then logprobs failed, rank 0: RuntimeError"):
+            group.get(refs, "logprobs")
+    finally:
+        ray_cluster.cancel(refs[1], force=True)
