@@ -25,6 +25,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Reference": ("flowc.roles", "Reference"),
     "RewardModel": ("flowc.roles", "RewardModel"),
     "Reward": ("flowc.roles", "Reward"),
+    "Environment": ("flowc.roles", "Environment"),
+    "envs": ("flowc.envs", None),
     "ops": ("flowc.ops", None),
     "losses": ("flowc.losses", None),
     "errors": ("flowc.errors", None),
@@ -50,7 +52,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from flowc import errors, losses, ops
+    from flowc import envs, errors, losses, ops
     from flowc.errors import FlowcError
     from flowc.flows import Flow, flow
-    from flowc.roles import Critic, Policy, Preferences, Prompts, Reference, Reward, RewardModel
+    from flowc.roles import Critic, Environment, Policy, Preferences, Prompts, Reference, Reward, RewardModel

@@ -214,7 +214,7 @@ def plan(
                 "--plan re-plans a saved plan; it takes no run options", fix="drop --data/--config/--set/--reward/--rollout"
             )
         req = _run_request(
-            file, overrides, model=model, data=data, eval_data=None, reward=reward, cluster=cluster or "local",
+            file, overrides, model=model, data=data, eval_data=None, reward=reward, env=None, cluster=cluster or "local",
             device=None, plan_file=None, workload=workload, steps=None, out=None, resume=None, override=False,
             rollout=rollout, pin=pin, config=config, sets=sets, report_to=None,
         )  # fmt: skip
@@ -339,6 +339,10 @@ def run(
         list[str] | None,
         typer.Option("--reward", "-r", help="ROLE=module:function (or ROLE=path/file.py:function) for each Reward role."),
     ] = None,
+    env: Annotated[
+        list[str] | None,
+        typer.Option("--env", help="ROLE=module:Class (or ROLE=path/file.py:Class) for each Environment role (docs/agents.md)."),
+    ] = None,
     cluster: Annotated[
         str, typer.Option("--cluster", "-c", help="local (this machine's CPUs, local:N for N workers), or a Ray address.")
     ] = "local",
@@ -402,7 +406,7 @@ def run(
     if staleness is not None:
         sets = [*(sets or []), f"staleness={staleness}"]
     req = _run_request(
-        file, overrides, model=model, data=data, eval_data=eval_data, reward=reward, cluster=cluster, device=device,
+        file, overrides, model=model, data=data, eval_data=eval_data, reward=reward, env=env, cluster=cluster, device=device,
         plan_file=plan_file, workload=workload, steps=steps, out=out, resume=resume, override=override,
         rollout=rollout, pin=pin, config=config, sets=sets, report_to=report_to,
     )  # fmt: skip
@@ -456,6 +460,7 @@ def _run_request(
     data: str | None,
     eval_data: str | None,
     reward: list[str] | None,
+    env: list[str] | None,
     cluster: str,
     device: str | None,
     plan_file: str | None,
@@ -495,12 +500,14 @@ def _run_request(
     hyper = {**front.get("hyperparams", {}), **(fl.parse_overrides(overrides or []) if fl is not None else {})}
     models = {**front.get("model", {}), **_pairs(model, "--model")}
     rewards = {**front.get("reward", {}), **_pairs(reward, "--reward")}
+    envs = {**front.get("env", {}), **_pairs(env, "--env")}
     given = dict(
         overrides=hyper,
         models=models,
         data=data or front.get("data"),
         eval_data=eval_data or front.get("eval_data"),
         rewards=rewards,
+        envs=envs,
         cluster=front.get("cluster", cluster) if cluster == "local" else cluster,
         device=device or front.get("device"),
         workload=workload or front.get("workload"),

@@ -13,11 +13,11 @@ from typing import Any
 from flowc.errors import DataError, SpecError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.models import ModelSpec
-from flowc.ir.ops import RoleKind
+from flowc.ir.ops import PYTHON_KINDS, RoleKind
 from flowc.runtime.data import Records
 
 # ------------------------------------------------------------------- models
-BUILTIN_MODELS = ("flowc-tiny", "tiny")
+BUILTIN_MODELS = ("flowc-tiny", "tiny", "flowc-calc-tiny")  # the arithmetic task's model, the calculator task's
 
 
 def materialize_model(ref: str, out_dir: Path, *, init: str = "pretrained", scores: bool = False) -> tuple[str, str | None]:
@@ -30,13 +30,15 @@ def materialize_model(ref: str, out_dir: Path, *, init: str = "pretrained", scor
     the run directory (as it does for a directory or hub id given with ``init="random"``)."""
     from flowc.ir.hub import cached_snapshot, is_hub_id, snapshot
     from flowc.ir.models import catalogue, catalogue_key
-    from flowc.tasks.arithmetic import asset_dir, reward_model_dir
+    from flowc.tasks.builtin import builtin_model_dir
 
     p = Path(ref).expanduser()
     if ref in BUILTIN_MODELS and init == "pretrained":
-        return str(reward_model_dir() if scores else asset_dir()), None
-    if ref in BUILTIN_MODELS:
-        local: Path | None = None  # random weights of the catalogue's flowc-tiny
+        return str(builtin_model_dir(ref, scores=scores)), None
+    if ref == "flowc-calc-tiny":  # random weights of its architecture, with its tokenizer
+        local: Path | None = builtin_model_dir(ref)
+    elif ref in BUILTIN_MODELS:
+        local = None  # random weights of the catalogue's flowc-tiny
         ref = "flowc-tiny"
     elif p.is_dir():
         if not (p / "config.json").exists():
@@ -155,12 +157,14 @@ def model_sources(
     from flowc.runtime.modeling import checkpoint_head, has_score_head
 
     check_model_roles(g, given)
+    from flowc.tasks.builtin import builtin_task
+
     policy = next((r for r, i in g.roles.items() if i.kind == RoleKind.POLICY), None)
-    base = (given.get(policy) if policy else None) or "flowc-tiny"
+    base = (given.get(policy) if policy else None) or builtin_task(g).model
     sources: dict[str, str] = {}
     notes: list[str] = []
     for role, info in g.roles.items():
-        if info.kind == RoleKind.REWARD:
+        if info.kind in PYTHON_KINDS:
             continue
         scores = info.kind == RoleKind.REWARD_MODEL
         ref = given.get(role)
@@ -403,8 +407,13 @@ def load_data(g: FlowGraph, data: str | None, eval_data: str | None) -> tuple[Re
     """The training and held-out records: the user's files, or the built-in task's
     (prompts, or preference pairs when the flow reads ``fc.Preferences``)."""
     from flowc.tasks import arithmetic as arith
+    from flowc.tasks.builtin import builtin_task
 
     preferences = reads_preferences(g)
+    task = builtin_task(g)
+    if data is None and task.name != "arithmetic":
+        train_r, eval_r = task.split()
+        return Records(train_r, f"built-in {task.name}"), Records(eval_r, f"built-in {task.name} (held out)")
     if data is None:
         train_p, eval_p = arith.split()
         rows_of = arith.preference_records if preferences else arith.records

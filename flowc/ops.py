@@ -47,7 +47,8 @@ def filter_groups(rollout: Any, scores: Any, group_size: int, *, max_rounds: int
         return record_filter(rollout, scores, kwargs)
     keep = varied_groups(scores, group_size).repeat_interleave(group_size)
     idx = keep.nonzero().squeeze(-1)
-    return Rollout(*(getattr(rollout, f.name)[idx] for f in fields(Rollout))), scores[idx]
+    kept = {f.name: getattr(rollout, f.name) for f in fields(Rollout)}
+    return Rollout(**{k: (v if v is None else v[idx]) for k, v in kept.items()}), scores[idx]
 
 
 __all__ = [

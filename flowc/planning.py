@@ -11,6 +11,7 @@ from flowc.errors import SpecError
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.graph import FlowGraph
 from flowc.ir.models import ModelSpec
+from flowc.ir.ops import PYTHON_KINDS
 from flowc.ir.plan import ROLLOUT_BACKENDS, Plan, Target
 from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
@@ -39,7 +40,7 @@ def resolve_models(g: FlowGraph, given: dict[str, str]) -> tuple[dict[str, Model
     initialised from it); with no model at all, the built-in tiny model."""
     from flowc.inputs import check_model_roles
 
-    model_roles = {r.name: r.kind for r in g.roles.values() if r.kind != "reward"}
+    model_roles = {r.name: r.kind for r in g.roles.values() if r.kind not in PYTHON_KINDS}
     check_model_roles(g, given)
     notes: list[str] = []
     policies = [r for r, k in model_roles.items() if k == "policy"]

@@ -19,11 +19,23 @@ if TYPE_CHECKING:
 def load_reward(spec: str) -> tuple[Callable[..., Any], str]:
     """``module:function`` (importable from the working directory) or ``path/to/file.py:function``
     (its folder importable while it loads)."""
+    fn, fn_name, mod_name = load_target(spec, "--reward", "module:function", "e.g. --reward reward=my_rewards:exact_match")
+    if not callable(fn):
+        raise SpecError(
+            f"{mod_name} has no function {fn_name!r}", fix="name a function fn(prompts, responses, **columns) -> list[float]"
+        )
+    return adapt(fn), spec
+
+
+def load_target(spec: str, option: str, form: str, example: str) -> tuple[Any, str, str]:
+    """The object ``spec`` names (``module:NAME`` importable from the working directory, or
+    ``path/to/file.py:NAME`` with its folder importable while it loads), its name and module
+    (None when the module lacks it); ``option`` and ``form`` word the errors."""
     from flowc.loader import on_path  # not at import: see bind_rewards
 
     mod_name, sep, fn_name = spec.rpartition(":")
     if not sep or not mod_name or not fn_name:
-        raise SpecError(f"--reward {spec!r} is not module:function", fix="e.g. --reward reward=my_rewards:exact_match")
+        raise SpecError(f"{option} {spec!r} is not {form}", fix=example)
     try:
         if mod_name.endswith(".py"):
             path = Path(mod_name)
@@ -37,13 +49,8 @@ def load_reward(spec: str) -> tuple[Callable[..., Any], str]:
             with on_path(os.getcwd()):
                 module = importlib.import_module(mod_name)
     except Exception as e:
-        raise SpecError(f"cannot import the reward module {mod_name!r}: {type(e).__name__}: {e}") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise SpecError(
-            f"{mod_name} has no function {fn_name!r}", fix="name a function fn(prompts, responses, **columns) -> list[float]"
-        )
-    return adapt(fn), spec
+        raise SpecError(f"cannot import the module {mod_name!r} of {option} {spec!r}: {type(e).__name__}: {e}") from e
+    return getattr(module, fn_name, None), fn_name, mod_name
 
 
 # ------------------------------------------------------------ conventions

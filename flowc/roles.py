@@ -13,6 +13,7 @@ type               methods                                     trainable
 ``Reference``      ``logprobs``                                no (frozen)
 ``RewardModel``    ``score``                                   no
 ``Reward``         called like a function: ``reward(rollout)`` no (Python)
+``Environment``    passed to ``generate(..., env=...)``         no (Python)
 ``Prompts``        the batch of prompts (a data parameter)     —
 ``Preferences``    preference pairs (a data parameter; DPO)    —
 =================  ==========================================  ===============
@@ -111,12 +112,40 @@ class Policy(Role):
     title = "Policy"
     methods = ("generate", "logprobs", "update")
 
-    def generate(self, prompts: Any, *, n: int = 1, **sampling: Any) -> Any:
+    def generate(
+        self, prompts: Any, *, n: int = 1, env: Environment | None = None, max_turns: int | None = None, **sampling: Any
+    ) -> Any:
         """Sample ``n`` responses per prompt; returns a rollout of ``B*n``
         sequences. Sampling keywords: see :class:`flowc.ir.sampling.SamplingParams`
         (``greedy=True`` for a greedy sample); those left out come from the
-        run's configuration."""
+        run's configuration.
+
+        With ``env`` (an ``fc.Environment`` parameter of the flow) each sample is a multi-turn
+        trajectory: the policy's turn ends at EOS or at one of the environment's stop strings,
+        the environment answers with an observation, and the policy continues, for at most
+        ``max_turns`` turns (default: the environment's ``max_turns``). The rollout's response is
+        the whole trajectory after the prompt; ``response_mask`` marks the policy's tokens (the
+        only ones trained on), ``env_mask`` the environment's, ``env_reward`` the environment's
+        rewards summed over the turns and ``turns`` the policy's turns (see docs/agents.md)."""
         self._check_kwargs("generate", sampling, SAMPLING_KEYS)
+        agent: dict[str, Any] = {}
+        if env is not None:
+            if not isinstance(env, Environment):
+                raise SignatureError(
+                    f"{self.name}.generate(env={env!r}): env must be an environment role of the flow",
+                    fix="declare a parameter `env: fc.Environment` and pass it: actor.generate(prompts, env=env)",
+                )
+            if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
+                raise SignatureError(
+                    f"{self.name}.generate(max_turns={max_turns!r}): max_turns must be a positive integer known when the flow is traced",
+                    fix="use a literal or a hyperparameter, e.g. max_turns=3",
+                )
+            agent = {"env": env.name, **({"max_turns": max_turns} if max_turns is not None else {})}
+        elif max_turns is not None:
+            raise SignatureError(
+                f"{self.name}.generate(max_turns={max_turns}) without env=: turns are an environment's",
+                fix="pass the environment role too: actor.generate(prompts, env=env, max_turns=...)",
+            )
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise SignatureError(
                 f"{self.name}.generate(n={n!r}): n must be a positive integer known when the flow is traced",
@@ -126,7 +155,7 @@ class Policy(Role):
             SamplingParams(**sampling)
         except Exception as e:  # pydantic.ValidationError
             raise SignatureError(f"{self.name}.generate(): invalid sampling parameters: {_first_error(e)}") from e
-        static = {"n": n, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in sampling.items()}}
+        static = {"n": n, **{k: (tuple(v) if isinstance(v, list) else v) for k, v in sampling.items()}, **agent}
         return self._ctx.role_call(self, "generate", {"prompts": (prompts, "prompts")}, static)
 
     def logprobs(self, rollout: Any) -> Any:
@@ -255,12 +284,24 @@ class Reward(Role):
         return self._ctx.role_call(self, "reward", {"rollout": (rollout, "rollout")}, {})
 
 
+class Environment(Role):
+    """User Python the policy acts in over several turns (a tool, a sandbox, a game), bound at run
+    time (``--env ROLE=module:Class``; a flow run on the built-in task gets the calculator).
+    It has no methods of its own in a flow: pass it to ``actor.generate(prompts, env=env)``.
+    The class implements the protocol of :mod:`flowc.envs` (``reset``, ``step``, ``stop``)."""
+
+    kind = "environment"
+    title = "Environment"
+    methods = ()
+
+
 ROLE_TYPES: dict[type, str] = {
     Policy: "policy",
     Critic: "critic",
     Reference: "reference",
     RewardModel: "reward_model",
     Reward: "reward",
+    Environment: "environment",
 }
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,15 +39,14 @@ from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
 from flowc.lengths import expand as expand_lengths
 from flowc.run_record import RunRecord, absolute, absolute_model, absolute_reward, input_hashes
+from flowc.tasks.builtin import BuiltinTask, arithmetic_task
 from flowc.trackers import MetricsLog
 
 if TYPE_CHECKING:
     from flowc.runtime.controller import RunSpec
 
-BUILTIN_WORKLOAD = "prompts=64,prompt_len=8,response_len=6"
+BUILTIN_WORKLOAD = arithmetic_task().workload  # the built-in arithmetic task's (a flow with an environment: the calculator's)
 USER_WORKLOAD = "prompts=16,prompt_len=256,response_len=256"
-BUILTIN_STEPS = 800  # ~7 minutes on 2 CPU cores; held-out accuracy rises by ~20 points (docs/runtime.md)
-BUILTIN_EVAL_EVERY = 20
 
 
 @dataclass
@@ -69,6 +68,7 @@ class RunRequest:
     plan_file: str | None = None  # a saved plan to run unchanged
     device: str | None = None  # the GPU type of a Ray cluster whose type Ray does not report
     record: RunRecord | None = None  # a resumed run's record (run.json), as this resume changes it
+    envs: dict[str, str] = field(default_factory=dict)  # Environment role → module:Class
 
 
 def record_of(req: RunRequest, config: RunConfig) -> RunRecord:
@@ -80,6 +80,7 @@ def record_of(req: RunRequest, config: RunConfig) -> RunRecord:
         data=absolute_data(req.data),
         eval_data=absolute_data(req.eval_data),
         rewards={r: absolute_reward(s) for r, s in req.rewards.items()},
+        envs={r: absolute_reward(s) for r, s in req.envs.items()},
         cluster=req.cluster,
         device=req.device,
         workload=req.workload,
@@ -100,6 +101,7 @@ def given_options(
     data: str | None = None,
     eval_data: str | None = None,
     rewards: dict[str, str] | None = None,
+    envs: dict[str, str] | None = None,
     cluster: str | None = None,
     device: str | None = None,
     workload: str | None = None,
@@ -117,6 +119,7 @@ def given_options(
         "data": absolute_data(data),
         "eval_data": absolute_data(eval_data),
         "rewards": {r: absolute_reward(s) for r, s in rewards.items()} if rewards else None,
+        "envs": {r: absolute_reward(s) for r, s in envs.items()} if envs else None,
         "cluster": cluster,
         "device": device,
         "workload": workload,
@@ -152,6 +155,7 @@ def resume_request(run_dir: str, given: dict[str, Any], *, override: bool) -> Ru
         data=rec.data,
         eval_data=rec.eval_data,
         rewards=rec.rewards,
+        envs=rec.envs,
         cluster=rec.cluster,
         workload=rec.workload,
         steps=rec.steps,
@@ -203,12 +207,13 @@ def prepare(req: RunRequest, *, dry_run: bool = False) -> Prepared:
 
 
 def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_run: bool = False) -> Prepared:
+    from flowc.envs import bind_envs
     from flowc.inputs import check_data, load_data, model_sources
     from flowc.rewards import bind_rewards, reward_notes
     from flowc.runtime.controller import RunSpec
     from flowc.runtime.inline import choose_executor
     from flowc.runtime.program import lower
-    from flowc.tasks import arithmetic as arith
+    from flowc.tasks.builtin import builtin_task
     from flowc.trackers import check_trackers
 
     check_trackers(req.config.report_to)  # a tracker's missing package is refused before anything starts
@@ -216,21 +221,22 @@ def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_
     for line in notes:  # what the user should know about the weights (random, a fresh critic head)
         print(f"note: {line}", file=sys.stderr)
     data, eval_data = load_data(g, req.data, req.eval_data)
-    builtin = req.data is None
-    rewards, names = bind_rewards(g, req.rewards, (arith.exact_match, "flowc.tasks.arithmetic:exact_match") if builtin else None)
+    task = builtin_task(g) if req.data is None else None
+    rewards, names = bind_rewards(g, req.rewards, task.reward if task else None)
+    envs = bind_envs(g, req.envs, task.env if task else None, req.config)
     for line in reward_notes(rewards, names):  # the convention recognised (verl's, TRL's) and how it is called
         print(f"note: {line}", file=sys.stderr)
-    plan, address, own = _plan(req, g, sources, out, builtin)
+    plan, address, own = _plan(req, g, sources, out, task.workload if task else USER_WORKLOAD)
     check_data(g, [data, eval_data], tokenizer, plan.workload, rewards, names)  # every row, before the first step
     if not dry_run:
         _check_space(out, plan, req.config.keep_checkpoints)
-    program, cfg = lower(plan, here=address is None), _config(req, builtin)
+    program, cfg = lower(plan, here=address is None), _config(req, task)
     executor = choose_executor(cfg.executor, program, local=address is None)
-    spec = RunSpec(program, cfg, sources, tokenizer, data, eval_data, rewards, names, out, executor=executor)
+    spec = RunSpec(program, cfg, sources, tokenizer, data, eval_data, rewards, names, out, executor=executor, envs=envs)
     return Prepared(spec, plan, address, own)
 
 
-def _plan(req: RunRequest, g: FlowGraph, sources: dict[str, str], out: Path, builtin: bool) -> tuple[Plan, str | None, bool]:
+def _plan(req: RunRequest, g: FlowGraph, sources: dict[str, str], out: Path, workload: str) -> tuple[Plan, str | None, bool]:
     """The plan to run (a saved one, checked; else compiled here), the Ray address to join, and
     whether the plan is the run directory's own."""
     from flowc.compile import check_saved, compile_plan, saved_conflicts
@@ -259,7 +265,7 @@ def _plan(req: RunRequest, g: FlowGraph, sources: dict[str, str], out: Path, bui
             raise SpecError(f"options contradict {what}: {'; '.join(wrong)}", fix=fix)
         return plan, _join(req, plan.cluster_spec()), own
     cluster, address = _cluster(req)
-    wl = WorkloadSpec.parse(req.workload or (BUILTIN_WORKLOAD if builtin else USER_WORKLOAD))
+    wl = WorkloadSpec.parse(req.workload or workload)
     plan = compile_plan(
         g,
         sources,
@@ -351,18 +357,31 @@ def _join(req: RunRequest, planned: ClusterSpec) -> str | None:
     return req.cluster
 
 
-def _config(req: RunRequest, builtin: bool) -> RunConfig:
+def _config(req: RunRequest, task: BuiltinTask | None) -> RunConfig:
     """The run's settings: the config, the built-in task's defaults where the config is silent, ``--steps``."""
     cfg = req.config
-    if builtin and "steps" not in cfg.model_fields_set:
-        cfg = cfg.model_copy(update={"steps": BUILTIN_STEPS})
-    if builtin and "eval_every" not in cfg.model_fields_set:
-        cfg = cfg.model_copy(update={"eval_every": BUILTIN_EVAL_EVERY})
+    if task is not None and "steps" not in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"steps": task.steps})
+    if task is not None and "eval_every" not in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"eval_every": task.eval_every})
     if req.steps is not None:
         if req.steps < 1:
             raise SpecError(f"--steps {req.steps}: a run takes at least one step", fix="give --steps N with N >= 1")
         cfg = cfg.model_copy(update={"steps": req.steps})
     return cfg
+
+
+def _note_env_errors(m: dict[str, Any], seen: set[str]) -> None:
+    """Tell the user, once per kind, why environments ended trajectories (the step's metrics count them)."""
+    for e in m.get("agent/errors") or []:
+        kind = e.split(":", 2)[:2]
+        key = ":".join(kind)
+        if key not in seen:
+            seen.add(key)
+            print(
+                f"note: step {m['step']}: an environment ended a trajectory — {e[:300]} (agent/env_errors counts them)",
+                file=sys.stderr,
+            )
 
 
 def write_plan(p: Prepared) -> None:
@@ -422,8 +441,10 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                     first = {"step": 0, **ctl.evaluate()}
                     log.write(first)
                     ctl.history.append(first)
+                seen_errors: set[str] = set()
                 for step in range(start_step, cfg.steps):
                     m = ctl.run_step(step)
+                    _note_env_errors(m, seen_errors)
                     if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                         m.update(ctl.evaluate())
                     log.write(m)

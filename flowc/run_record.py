@@ -49,6 +49,7 @@ class RunRecord(BaseModel):
     data: str | None = None
     eval_data: str | None = None
     rewards: dict[str, str] = {}
+    envs: dict[str, str] = {}  # Environment role → module:Class (file.py absolute)
     cluster: str = "local"
     device: str | None = None
     workload: str | None = None
@@ -161,7 +162,7 @@ def absolute_model(source: str) -> str:
 def input_hashes(rec: RunRecord) -> dict[str, str]:
     """sha256 of every input file the run reads: the flow, the data, reward files."""
     files = [rec.flow.rpartition(":")[0] or rec.flow, data_file(rec.data), data_file(rec.eval_data)]
-    files += [s.rpartition(":")[0] for s in rec.rewards.values() if s.rpartition(":")[0].endswith(".py")]
+    files += [s.rpartition(":")[0] for s in [*rec.rewards.values(), *rec.envs.values()] if s.rpartition(":")[0].endswith(".py")]
     return {f: sha256(f) for f in files if f and Path(f).is_file()}
 
 
@@ -174,6 +175,7 @@ def _flag(field: str) -> str:
         "overrides": "NAME=VALUE",
         "models": "model",
         "rewards": "reward",
+        "envs": "env",
         "pins": "pin",
         "plan_file": "plan",
         "config": "config/--set",

@@ -49,6 +49,7 @@ from flowc.ir.types import (
     TensorType,
     TupleType,
     ValueType,
+    agent_rollout_type,
     prompts_type,
     rollout_type,
 )
@@ -58,6 +59,7 @@ _BUNDLE_FIELDS = {
     "prompts": tuple(prompts_type().fields),
     "rollout": tuple(rollout_type("N").fields),
 }
+_AGENT_FIELDS = tuple(agent_rollout_type("N").fields)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,14 @@ class FlowProxy(torch.fx.Proxy):
         kind = self.node.meta.get("flowc_kind", "tensor") if "node" in self.__dict__ else "tensor"
         if kind in _BUNDLE_FIELDS and not k.startswith("_") and k not in _BUNDLE_FIELDS[kind]:
             fields = _BUNDLE_FIELDS[kind]
+            single = isinstance(self.node.target, RoleCall) and "env" not in self.node.meta.get("flowc_static", {})
+            if kind == "rollout" and k in _AGENT_FIELDS:
+                if not single:
+                    return super().__getattr__(k)
+                raise ValueUseError(
+                    f"rollout.{k} exists only on multi-turn rollouts, and this one has no environment",
+                    fix="generate with an environment: actor.generate(prompts, env=env) (an fc.Environment parameter)",
+                )
             raise ValueUseError(
                 f"a {kind} value has no field {k!r}{suggest(k, fields)}",
                 fix=f"its fields are {', '.join(fields)}",
@@ -399,7 +409,7 @@ class _Lowering:
         if call.op == "generate":
             n = static["n"]
             sym = self._sample_symbol(n)
-            t = rollout_type(mul("B", sym) if sym else "B")
+            t = (agent_rollout_type if "env" in static else rollout_type)(mul("B", sym) if sym else "B")
             for env in self.envs:
                 env.update({s: v for s, v in self.g.symbols.items()})
         elif call.op in ("logprobs", "values"):
@@ -552,12 +562,14 @@ def trace_function(
             fix=f"call {trainable[0] if trainable else 'actor'}.update(rollout, advantages=..., ...) at the end of the flow",
             where=def_line,
         )
-    used = {n.role for n in g.nodes}
+    used = {n.role for n in g.nodes} | {n.kwargs.get("env") for n in g.nodes if n.op == "generate"}
     for r in roles:
         if r not in used:
             raise SignatureError(
                 f"role {r!r} is declared but never used",
-                fix=f"use {r} in the flow or remove the parameter",
+                fix=f"pass it to generate: actor.generate(prompts, env={r})"
+                if roles[r].kind == "environment"
+                else f"use {r} in the flow or remove the parameter",
                 where=def_line,
             )
     return g

@@ -38,13 +38,28 @@ class PromptBatch:
 
 @dataclass
 class Rollout:
-    """What ``generate`` returns: ``N`` sequences (prompt + response)."""
+    """What ``generate`` returns: ``N`` sequences (prompt + response).
+
+    A multi-turn trajectory (``generate(..., env=...)``) is one sequence too: its response is
+    every token after the prompt, the policy's turns and the environment's observations in the
+    order they happened. ``response_mask`` is True on the policy's tokens only (what the loss,
+    the KL and every flow op count), ``env_mask`` on the environment's (seen by the model, never
+    trained on); ``present`` is both, what a forward pass attends to. Single-turn rollouts have no
+    ``env_mask``, and the agent fields are None."""
 
     prompt_ids: torch.Tensor  # [N, P]
     prompt_mask: torch.Tensor  # [N, P]
     response_ids: torch.Tensor  # [N, R]
-    response_mask: torch.Tensor  # [N, R]
-    logprobs: torch.Tensor  # [N, R] sampler log-probabilities
+    response_mask: torch.Tensor  # [N, R] the policy's tokens
+    logprobs: torch.Tensor  # [N, R] sampler log-probabilities (0 off the policy's tokens)
+    env_mask: torch.Tensor | None = None  # [N, R] the environment's tokens (agent rollouts)
+    env_reward: torch.Tensor | None = None  # [N] the environment's rewards, summed over the turns
+    turns: torch.Tensor | None = None  # [N] the policy's turns
+
+    @property
+    def present(self) -> torch.Tensor:
+        """``[N, R]`` True on every token of the response (the policy's and the environment's)."""
+        return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
 
 
 def _find_proxy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.fx.Proxy | None:

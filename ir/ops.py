@@ -108,6 +108,11 @@ class RoleKind(_Name):
     REFERENCE = "reference"
     REWARD_MODEL = "reward_model"
     REWARD = "reward"
+    ENVIRONMENT = "environment"
+
+
+PYTHON_KINDS: frozenset[RoleKind] = frozenset({RoleKind.REWARD, RoleKind.ENVIRONMENT})
+"""Role kinds bound to user Python at run time, not to a model (they take no devices)."""
 
 
 OPS: tuple[Op, ...] = tuple(Op)

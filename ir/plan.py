@@ -182,6 +182,9 @@ class PhasePlan(BaseModel):
     # demand, or pinned (ROLE.generate.gpu_memory_utilization); 0: not a generation phase
     gpu_memory_utilization: float = Field(0.0, ge=0, le=1)
     gpu_memory_utilization_pinned: bool = False
+    # generation with an environment (generate(env=…)): environment processes per replica, sized so
+    # their work fits in the generation's time (0: no environment)
+    env_workers: int = Field(0, ge=0)
 
 
 class RolePlan(BaseModel):

@@ -100,6 +100,11 @@ class RunConfig(BaseModel):
             process of its own, killed when it overruns; the run then fails naming the step).
         reward_workers: reward processes that share each call's responses (contiguous shares,
             scored at once: a judge or sandbox that answers per sample runs this many at a time).
+        env_workers: environment processes beside each rollout replica (``generate(env=…)``);
+            each trajectory's environment lives in one of them, and they answer concurrently.
+        env_timeout_s: the longest one ``reset`` or ``step`` of an environment may take; past it
+            the process is killed and the trajectory ends with ``env_error_reward``.
+        env_error_reward: the reward of a trajectory whose environment raised or timed out.
         executor: where the workers run. ``ray``: each in a Ray actor of its own. ``inline``: a
             plan of one local worker runs in the run's own process, its rewards in a plain child
             process (no Ray processes, no object store; a worker crash ends the run). ``auto``
@@ -147,6 +152,9 @@ class RunConfig(BaseModel):
     cpus_per_worker: float = Field(1.0, gt=0)
     reward_timeout_s: float = Field(120.0, gt=0)
     reward_workers: int = Field(1, ge=1)
+    env_workers: int = Field(2, ge=1)
+    env_timeout_s: float = Field(30.0, gt=0)
+    env_error_reward: float = 0.0
     executor: Literal["auto", "ray", "inline"] = "auto"
     init: Literal["pretrained", "random"] = "pretrained"
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
@@ -194,6 +202,7 @@ FRONT_KEYS: dict[str, str] = {
     "data": "the prompts file",
     "eval_data": "the held-out prompts file",
     "reward": "ROLE=module:function per Reward role",
+    "env": "ROLE=module:Class per Environment role",
     "cluster": "local, local:N or a Ray address",
     "device": "the GPU type of a Ray cluster",
     "workload": "k=v,… (workload.prompts=64)",
@@ -203,7 +212,7 @@ FRONT_KEYS: dict[str, str] = {
     "hyperparams": "the flow's keywords (hyperparams.n=4)",
 }
 # front-end keys that are maps: one dotted level below them names an entry
-_FRONT_MAPS = ("model", "reward", "hyperparams", "workload")
+_FRONT_MAPS = ("model", "reward", "env", "hyperparams", "workload")
 
 
 def setting_keys() -> list[str]:

@@ -66,7 +66,7 @@ class BundleType(BaseModel):
     fields: dict[str, TensorType]
 
     def __str__(self) -> str:
-        name = "Prompts" if self.kind == "prompts" else "Rollout"
+        name = "Prompts" if self.kind == "prompts" else ("Trajectory" if "env_mask" in self.fields else "Rollout")
         return f"{name}[{self.batch}]"
 
 
@@ -150,6 +150,24 @@ def rollout_type(batch: str) -> BundleType:
             "response_mask": TensorType(shape=(batch, "R"), dtype="bool"),
             "logprobs": TensorType(shape=(batch, "R"), dtype="float32"),
         },
+    )
+
+
+def agent_rollout_type(batch: str) -> BundleType:
+    """The type of ``generate(..., env=...)``: a rollout whose response is the whole trajectory
+    after the prompt, with ``env_mask`` ``[batch, R]`` (the environment's tokens; ``response_mask``
+    holds the policy's), ``env_reward`` ``[batch]`` (the environment's rewards, summed over the
+    turns) and ``turns`` ``[batch]`` (the policy's turns)."""
+    base = rollout_type(batch)
+    return base.model_copy(
+        update={
+            "fields": {
+                **base.fields,
+                "env_mask": TensorType(shape=(batch, "R"), dtype="bool"),
+                "env_reward": TensorType(shape=(batch,), dtype="float32"),
+                "turns": TensorType(shape=(batch,), dtype="int64"),
+            }
+        }
     )
 
 

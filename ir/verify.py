@@ -82,6 +82,10 @@ def verify(g: FlowGraph, stage: Stage = "traced") -> None:
         raise _fail(None, "data edges form a cycle")
     if not any(n.op == "update" for n in g.nodes):
         raise _fail(None, "no update node: the flow trains nothing")
+    used = {n.kwargs.get("env") for n in g.nodes if n.op == "generate"}
+    for name, info in g.roles.items():
+        if info.kind == "environment" and name not in used:
+            raise _fail(None, f"environment role {name!r} is declared but no generate runs it (pass env={name} to generate)")
     _check_weight_edges(g)
 
 
@@ -112,6 +116,17 @@ def _check_op(g: FlowGraph, n: Node) -> None:
             raise _fail(n, f"generate needs an integer n >= 1, has {k!r}")
         if not (isinstance(n.type, BundleType) and n.type.kind == "rollout"):
             raise _fail(n, "generate must produce a rollout")
+        env = n.kwargs.get("env")
+        if env is not None:
+            if env not in g.roles or g.roles[env].kind != "environment":
+                raise _fail(n, f"generate's env {env!r} is not an environment role of the flow")
+            turns = n.kwargs.get("max_turns")
+            if turns is not None and (not isinstance(turns, int) or isinstance(turns, bool) or turns < 1):
+                raise _fail(n, f"generate needs an integer max_turns >= 1, has {turns!r}")
+        if (env is not None) != ("env_mask" in n.type.fields):
+            raise _fail(n, "a generate with an environment produces an agent rollout (env_mask, env_reward, turns), and only it")
+        elif "max_turns" in n.kwargs and env is None:
+            raise _fail(n, "max_turns without an environment")
     elif n.op in ("logprobs", "values", "score", "reward", "update"):
         if not (isinstance(t0, BundleType) and t0.kind == "rollout"):
             raise _fail(n, f"{n.op}'s first argument must be a rollout")

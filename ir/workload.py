@@ -45,6 +45,11 @@ class WorkloadSpec(BaseModel):
             (None: the planner picks the largest that fits).
         forward_micro_batch: sequences per device per forward micro-step
             (None: the planner picks).
+        turns: multi-turn generates (``generate(env=…)``): the policy's mean turns per
+            trajectory (None: the flow's ``max_turns``). ``response_len`` is then a trajectory's
+            token budget after its prompt, ``mean_response_len`` the policy's tokens in it.
+        obs_len: mean tokens of one environment observation (appended between turns).
+        env_latency_s: mean seconds of one environment step (a tool call, a sandbox run).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -57,6 +62,9 @@ class WorkloadSpec(BaseModel):
     epochs: int = Field(1, ge=1)
     train_micro_batch: int | None = Field(None, ge=1)
     forward_micro_batch: int | None = Field(None, ge=1)
+    turns: float | None = Field(None, ge=1)
+    obs_len: float = Field(0.0, ge=0)
+    env_latency_s: float = Field(0.0, ge=0)
 
     @field_validator("response_percentiles", mode="before")
     @classmethod

@@ -213,6 +213,7 @@ def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float
             "sleeps_colocated": gc.swapped,
             "gpu_memory_utilization": util,
             "gpu_memory_utilization_pinned": pinned is not None,
+            "env_workers": max((int(c.detail.get("env_workers", 0)) for _, c in items), default=0),
         }
     )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Alternative, PhasePlan
 from flowc.passes.costs import PhaseCost
+from flowc.passes.flops import Demand
 from flowc.passes.generation_costs import generate_cost
 from flowc.passes.manager import PlanContext
 from flowc.passes.options import OptionTable, UnitOption
@@ -157,6 +158,39 @@ def _utilization(gp: PhasePlan) -> str:
     return f"; gpu_memory_utilization {gp.gpu_memory_utilization:.3g} ({how})"
 
 
+def agent_line(unit: str, costs: list[tuple[str, PhaseCost]], demand: dict[str, Demand]) -> str | None:
+    """Where a multi-turn generate's time goes (None for single-turn generates): its turns, the
+    observations' prefill and later turns' requests, the environment's chain and its pool."""
+    for op, c in costs:
+        if "env_wait" not in c.detail:
+            continue
+        d = c.detail
+        total = c.time
+        w = int(d["env_workers"])
+        lat = demand[op].env_latency_s
+        parts = [
+            f"{op} runs {d['turns']:.3g} policy turns per trajectory",
+            f"prefilling observations {d['obs_prefill']:.3g} s",
+            f"later turns' requests {d['turn_requests']:.3g} s",
+        ]
+        if lat > 0:
+            share = d["env_wait"] / total * 100 if total > 0 else 0.0
+            procs = f"{w} environment process{'es' if w > 1 else ''} per replica"
+            keeps = (
+                f"their {d['env_busy']:.3g} s of work fits in the engine's {d['gen_s']:.3g} s"
+                if d["env_busy"] <= d["gen_s"] * 1.0001
+                else f"their {d['env_busy']:.3g} s of work outlasts the engine's {d['gen_s']:.3g} s: the environment bounds the rollout"
+            )
+            parts.append(
+                f"the environment {d['env_wait']:.3g} s on the critical path ({d['turns']:.3g} steps of {lat:.3g} s, "
+                f"{share:.0f} % of the rollout), {procs} ({keeps}; the run config's env_workers overrides it)"
+            )
+        else:
+            parts.append("no environment latency given (workload env_latency_s=…)")
+        return f"Multi-turn: {unit}: " + ", ".join(parts) + "."
+    return None
+
+
 def rollout_backend_line(table: OptionTable, unit: str, g: GenChoice) -> str | None:
     """Why ``unit`` generates with its backend: its predicted time against each other rollout
     backend on the same layout and memory (None when only one backend was offered)."""
@@ -296,6 +330,8 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
                     + "."
                 )
                 if line := rollout_backend_line(table, u, g):
+                    lines.append(line)
+                if line := agent_line(u, list(g.op_costs.items()), table.demand):
                     lines.append(line)
                 continue
             o = ch.options[u]

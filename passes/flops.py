@@ -63,6 +63,9 @@ class Demand:
         updates: optimizer updates per step (``mini_batches × epochs``).
         percentiles: measured response lengths (min, p50, p90, p99, max), when the workload
             gives them; otherwise :attr:`lengths` is an exponential with the mean.
+        agent, turns: a multi-turn generate, and its policy turns per trajectory.
+        obs_len: tokens of one environment observation between turns.
+        env_latency_s: seconds of one environment step.
     """
 
     sequences: int
@@ -72,6 +75,10 @@ class Demand:
     passes: int = 1
     updates: int = 1
     percentiles: tuple[float, ...] | None = None
+    agent: bool = False  # a multi-turn generate (with an environment)
+    turns: float = 1.0
+    obs_len: float = 0.0
+    env_latency_s: float = 0.0
 
     @property
     def lengths(self) -> LengthDist:

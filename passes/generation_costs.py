@@ -4,6 +4,7 @@ compute, the rollout backend's own host costs, and the KV cache that sets the co
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import KV_BLOCK_TOKENS, STATIC_BATCH_BACKENDS, Layout, kv_tokens_held
@@ -47,6 +48,50 @@ def decode_step_device_s(m: ModelSpec, lay: Layout, hw: Hw, active: float, ctx: 
     mm = 2.0 * matmul_params(m) / lay.tp
     flops_t = active * (mm + attention_flops_per_token(m, ctx) / lay.tp) / (hw.peak * hw.eff.matmul)
     return max(mem_t, flops_t)
+
+
+def agent_turns(d: Demand, seqs: int, request_s: float, prefill_s: Any, *, static: bool, gen_s: float) -> dict[str, float]:
+    """What a multi-turn generate adds to one replica's rollout of ``seqs`` trajectories:
+
+    * ``obs_prefill``: every turn after the first prefills what came since the last one — the
+      observation on vLLM (the trajectory so far is in its prefix cache), the whole context on the
+      ``hf`` loop (a new padded batch each turn, no cache kept across turns);
+    * ``turn_requests``: each later turn is a request of its own (host work);
+    * ``env_wait``: a trajectory waits for its environment after each turn, and the rollout ends
+      with its last trajectory, so one chain of ``turns`` environment steps is on the critical path;
+    * ``env_busy``: the environment processes' work, ``seqs × turns`` steps over ``env_workers``
+      of them — the rollout takes at least that long (the pool's size, :func:`env_workers_for`,
+      keeps it under the generation's own time, ``gen_s``).
+    """
+    later = max(d.turns - 1.0, 0.0)
+    ctx = d.prompt_len + d.mean_response_len / 2.0 + d.obs_len * d.turns / 2.0  # a later turn's context, on average
+    tokens = seqs * later * (ctx if static else d.obs_len)
+    rows = float(max(1, min(seqs, 64)))
+    steps = seqs * d.turns
+    workers = env_workers_for(d, seqs, gen_s)
+    return {
+        "turns": d.turns,
+        "obs_prefill": prefill_s(rows, tokens) if tokens > 0 else 0.0,
+        "turn_requests": seqs * later * request_s,
+        "env_wait": d.turns * d.env_latency_s,
+        "env_busy": steps * d.env_latency_s / workers,
+        "env_workers": float(workers),
+        "gen_s": gen_s,
+    }
+
+
+ENV_WORKERS_MAX = 64  # environment processes per rollout replica the planner suggests at most
+
+
+def env_workers_for(d: Demand, seqs: int, gen_s: float) -> int:
+    """Environment processes per replica: the fewest whose work (``seqs × turns`` steps of
+    ``env_latency_s``) fits in the generation's own time ``gen_s``, so the environments keep up with
+    the engine; at least one, at most one per trajectory (and :data:`ENV_WORKERS_MAX`)."""
+    work = seqs * d.turns * d.env_latency_s
+    if work <= 0:
+        return 1
+    need = math.ceil(work / gen_s) if gen_s > 0 else seqs
+    return int(max(1, min(need, seqs, ENV_WORKERS_MAX)))
 
 
 def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: float) -> PhaseCost | None:
@@ -125,6 +170,10 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
             "tail": sum(n * step_s(r, ctx) for n, r in sched.levels if r < sched.most_running / 4.0),
         }
     total = prefill + decode + requests
+    agent: dict[str, float] = {}
+    if d.agent:
+        agent = agent_turns(d, seqs, rc.request_ms * 1e-3, prefill_s, static=lay.backend in STATIC_BATCH_BACKENDS, gen_s=total)
+        total = max(total + agent["obs_prefill"] + agent["turn_requests"], agent["env_busy"]) + agent["env_wait"]
     mem = memory_gb(
         weights=generation_weights_gb(m, lay),
         kv_cache=kv_used,
@@ -137,6 +186,7 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
         "requests": requests,
         "step_s": step,
         "decode_steps": float(steps),
+        **agent,
         "concurrency": running,
         **detail,
     }

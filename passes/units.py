@@ -113,7 +113,12 @@ def demands(g: FlowGraph, w: WorkloadSpec) -> dict[str, Demand]:
                 resp = int(max_tokens)
                 mean_r = min(mean_r, float(resp))
                 pct = None if pct is None else tuple(min(x, float(resp)) for x in pct)
-            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, percentiles=pct)
+            agent = {}
+            if n.kwargs.get("env") is not None:  # a multi-turn generate: its turns, observations and environment
+                most = n.kwargs.get("max_turns")  # the flow's bound; without it the environment class's (unknown here)
+                turns = min(w.turns or most or 1, most or math.inf)
+                agent = dict(agent=True, turns=float(turns), obs_len=w.obs_len, env_latency_s=w.env_latency_s)
+            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, percentiles=pct, **agent)
         elif n.op == "update":
             out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, passes=w.epochs, updates=updates)
         else:

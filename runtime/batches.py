@@ -24,13 +24,18 @@ from flowc.ir.functional import PromptBatch, Rollout
 INLINE_BYTES = 64 * 1024
 
 
+def map_fields(x: Any, fn: Any) -> Any:
+    """``x`` (a dataclass of tensors) with ``fn`` applied to each field that is set."""
+    return replace(x, **{f.name: fn(getattr(x, f.name)) for f in fields(x) if getattr(x, f.name) is not None})
+
+
 def nbytes(x: Any) -> int:
     """The payload bytes of a row-wise value (tensors, bundles of tensors, lists of texts or
     numbers); a size it cannot tell counts as large."""
     if isinstance(x, torch.Tensor):  # its whole storage travels, also for a small view of a big tensor
         return max(x.numel() * x.element_size(), x.untyped_storage().nbytes())
     if is_dataclass(x):
-        return sum(nbytes(getattr(x, f.name)) for f in fields(x))
+        return sum(nbytes(getattr(x, f.name)) for f in fields(x) if getattr(x, f.name) is not None)
     if isinstance(x, list | tuple) and all(isinstance(v, str | int | float | bool) for v in x):
         return sum(len(v.encode()) if isinstance(v, str) else 8 for v in x)
     return INLINE_BYTES + 1
@@ -48,7 +53,7 @@ def slice_rows(x: Any, lo: int, hi: int) -> Any:
     if isinstance(x, torch.Tensor):
         return x[lo:hi]
     if is_dataclass(x):
-        return replace(x, **{f.name: getattr(x, f.name)[lo:hi] for f in fields(x)})
+        return map_fields(x, lambda t: t[lo:hi])
     return x[lo:hi]
 
 
@@ -57,7 +62,7 @@ def take_rows(x: Any, rows: torch.Tensor) -> Any:
     if isinstance(x, torch.Tensor):
         return x[rows]
     if is_dataclass(x):
-        return replace(x, **{f.name: getattr(x, f.name)[rows] for f in fields(x)})
+        return map_fields(x, lambda t: t[rows])
     return [x[i] for i in rows.tolist()]
 
 
@@ -68,7 +73,16 @@ def cat_rows(parts: Sequence[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat(list(parts), dim=0)
     if is_dataclass(first):
-        return replace(first, **{f.name: torch.cat([getattr(p, f.name) for p in parts], dim=0) for f in fields(first)})
+        if any((getattr(p, f.name) is None) != (getattr(first, f.name) is None) for p in parts for f in fields(first)):
+            raise ValueError("cannot join rows of rollouts with different fields (an agent rollout and a single-turn one)")
+        return replace(
+            first,
+            **{
+                f.name: torch.cat([getattr(p, f.name) for p in parts], dim=0)
+                for f in fields(first)
+                if getattr(first, f.name) is not None
+            },
+        )
     out: list[Any] = []
     for p in parts:
         out.extend(p)
@@ -82,7 +96,7 @@ def repeat_rows(x: Any, n: int) -> Any:
     if isinstance(x, torch.Tensor):
         return x.repeat_interleave(n, dim=0)
     if is_dataclass(x):
-        return replace(x, **{f.name: getattr(x, f.name).repeat_interleave(n, dim=0) for f in fields(x)})
+        return map_fields(x, lambda t: t.repeat_interleave(n, dim=0))
     return [r for r in x for _ in range(n)]
 
 

@@ -48,12 +48,13 @@ from flowc.runtime.batches import (
 )
 from flowc.runtime.checkpoints import CheckpointDir
 from flowc.runtime.data import Records, RewardFn, tokenize_pairs, tokenize_prompts
+from flowc.runtime.envs import EnvBinding
 from flowc.runtime.inline import Executor, InlineGroup
 from flowc.runtime.iteration import Iteration, Local, value_at
 from flowc.runtime.program import MICRO_ARGS, EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step, micro_args
 from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.rewards import Rewards
-from flowc.runtime.step_metrics import StepTally, step_metrics
+from flowc.runtime.step_metrics import StepTally, agent_metrics, step_metrics
 from flowc.runtime.sync_check import SyncCheck, first, probe_rollout, tolerance
 from flowc.runtime.worker import WorkerGroup
 
@@ -75,7 +76,17 @@ class RunSpec:
     rewards: dict[str, RewardFn]  # Reward role → function
     reward_names: dict[str, str] = field(default_factory=dict)
     out_dir: Path = Path("runs/run")
+    envs: dict[str, EnvBinding] = field(default_factory=dict)  # Environment role → its class, bound
     executor: Executor = "ray"  # where the workers run: Ray actors, or in this process (runtime.inline)
+
+
+def _replica_args(args: dict[str, Any], rows: tuple[int, int]) -> dict[str, Any]:
+    """A generate's arguments for the replica of prompt rows ``rows``: where its rows start (seeds
+    follow global rows) and, for an agent rollout, its rows' data records."""
+    out = {**args, "row_offset": rows[0]}
+    if args.get("records") is not None:
+        out["records"] = args["records"][rows[0] : rows[1]]
+    return out
 
 
 def check_response_lengths(p: Program, cfg: RunConfig) -> None:
@@ -127,6 +138,13 @@ class Controller:
         self.p = spec.program
         self.cfg = spec.config
         check_response_lengths(self.p, self.cfg)
+        for st in self.p.steps_of(Op.GENERATE):
+            env = st.args.get("env")
+            if env is not None and str(env) not in spec.envs:
+                raise SpecError(
+                    f"{st.node} runs environment {env!r}, which this run does not bind",
+                    fix=f"bind it: flowc run … --env {env}=module:Class (docs/agents.md)",
+                )
         self._behaviour = behaviour_comparable(self.p, self.cfg)
         check_staleness(self.p.graph, self.p.staleness)  # a saved plan's too
         self._ahead: RolloutBuffer[Iteration] = RolloutBuffer()  # staleness K: later steps' rollouts, issued
@@ -369,7 +387,10 @@ class Controller:
     def _generate_step(self, st: Step, node: Node, it: Iteration) -> None:
         n = int(st.args.get("n", 1))
         it.samples[st.node] = n
-        it.env[st.node], it.metas[st.node] = self._generate(st, it.env[node.args[0].node], n, it.step, it.round)
+        records = None
+        if st.args.get("env") is not None:  # what each trajectory's environment is reset from: the prompt's data row
+            records = [{"prompt": p, **{c: v[i] for c, v in it.columns.items()}} for i, p in enumerate(it.prompts)]
+        it.env[st.node], it.metas[st.node] = self._generate(st, it.env[node.args[0].node], n, it.step, it.round, records)
 
     def _forward_step(self, st: Step, node: Node, it: Iteration) -> None:
         it.env[st.node], it.metas[st.node] = self._forward(st, value_at(it.env, node.args[0]))
@@ -452,14 +473,35 @@ class Controller:
         return Local((out_rollout, out_scores))
 
     # ---------------------------------------------------------- device calls
-    def _generate(self, st: Step, prompts: Any, n: int, step: int, round_: int = 0) -> tuple[Sharded, list[Any]]:
+    def _generate(
+        self, st: Step, prompts: Any, n: int, step: int, round_: int = 0, records: list[dict[str, Any]] | None = None
+    ) -> tuple[Sharded, list[Any]]:
         wg, e = self._group_of(st.engine)
         sp = sampling_of(st, self.cfg)
         max_tokens = sp.max_tokens or self.p.workload.response_len
         src = self._sharded(prompts)
-        out = self._generate_call(wg, e, src, {"n": n, "sampling": sp, "max_tokens": max_tokens, "step": step, "round": round_})
+        args: dict[str, Any] = {"n": n, "sampling": sp, "max_tokens": max_tokens, "step": step, "round": round_}
+        if st.args.get("env") is not None:  # an agent rollout: the trajectory's budget is the plan's response_len
+            binding = self._binding(st)
+            args.update(
+                env=binding,
+                records=records,
+                max_tokens=self.p.workload.response_len,
+                turn_tokens=max_tokens,
+                max_turns=int(st.args.get("max_turns") or binding.max_turns),
+            )
+        out = self._generate_call(wg, e, src, args)
         counts = [n * (hi - lo) for lo, hi in even_split(src.rows, e.layout.dp)]
         return Sharded(tuple(o[0] for o in out), tuple(counts)), [o[1] for o in out]
+
+    def _binding(self, st: Step) -> EnvBinding:
+        """The environment of an agent generate, with its pool's size: the run config's
+        ``env_workers`` when it sets one, else the plan's (sized to keep up with the engine)."""
+        binding = self.s.envs[str(st.args["env"])]
+        planned = int(st.args.get("env_workers") or 0)  # type: ignore[call-overload]
+        if planned and "env_workers" not in self.cfg.model_fields_set:
+            binding = replace(binding, workers=planned)
+        return binding
 
     def _generate_call(self, wg: Group, e: EngineSpec, src: Sharded, args: dict[str, Any]) -> list[Any]:
         """One generate per replica: the ``tp`` ranks of a replica get the same prompts
@@ -468,7 +510,7 @@ class Controller:
         tp = e.layout.tp
         ranges = even_split(src.rows, e.layout.dp)
         per = self._per_rank({"prompts": src}, e.layout.dp)
-        calls = [(e.key, Op.GENERATE, per[r // tp], {**args, "row_offset": ranges[r // tp][0]}) for r in range(wg.size)]
+        calls = [(e.key, Op.GENERATE, per[r // tp], _replica_args(args, ranges[r // tp])) for r in range(wg.size)]
         return wg.call("run", per_rank=calls, num_returns=2)[::tp]
 
     def _forward(self, st: Step, rollout: Any) -> tuple[Sharded, list[Any]]:
@@ -543,29 +585,47 @@ class Controller:
         dpo = [st for st in self.p.steps_of(Op.UPDATE) if isinstance(self.p.graph[st.node].kwargs["loss"], PREFERENCE_LOSSES)]
         if dpo:
             return self._evaluate_pairs(dpo[0], data)
-        if not self.rewards:
+        gen = self.p.steps_of(Op.GENERATE)[0]
+        env = gen.args.get("env")
+        if not self.rewards and env is None:
             return {}
         rows = data.head(self.cfg.eval_size)
-        role = next(iter(self.rewards))
-        wg, e = self._group_of(self.p.steps_of(Op.GENERATE)[0].engine)
+        wg, e = self._group_of(gen.engine)
         prompts = tokenize_prompts(self.tok, [r[data.prompt_key] for r in rows], self.p.workload.prompt_len)
         src = self._sharded(Local(prompts))
-        args = {
+        args: dict[str, Any] = {
             "n": 1,
             "sampling": SamplingParams(greedy=True),
             "max_tokens": self.p.workload.response_len,
             "step": -1,
             "round": 0,
         }
+        if env is not None:  # the flow's environment, greedy, up to the flow's turns
+            binding = self._binding(gen)
+            args.update(
+                env=binding,
+                records=[{"prompt": r[data.prompt_key], **r} for r in rows],
+                turn_tokens=self.p.workload.response_len,
+                max_turns=int(gen.args.get("max_turns") or binding.max_turns),
+            )
         out = self._generate_call(wg, e, src, args)
-        texts = [t for m in wg.get([o[1] for o in out], "evaluation") for t in m["texts"]]
+        metas = wg.get([o[1] for o in out], "evaluation")
+        texts = [t for m in metas for t in m["texts"]]
         cols = {k: [r[k] for r in rows] for k in rows[0] if k != data.prompt_key}
-        scores = self.rewards.score(role, [r[data.prompt_key] for r in rows], texts, cols, where=f"evaluation of {data.name}")
-        return {
+        if self.rewards:
+            role = next(iter(self.rewards))
+            where = f"evaluation of {data.name}"
+            scores = self.rewards.score(role, [r[data.prompt_key] for r in rows], texts, cols, where=where)
+        else:  # scored by the environment
+            scores = torch.tensor([v for m in metas for v in m["env_rewards"]], dtype=torch.float32)
+        m = {
             "eval/reward": float(scores.mean()),
             "eval/accuracy": float((scores >= 1.0).float().mean()),
             "eval/size": float(len(rows)),
         }
+        if env is not None:
+            m.update({f"eval/{k}": v for k, v in agent_metrics(metas, len(rows)).items() if k != "agent/errors"})
+        return m
 
     def _evaluate_pairs(self, upd: Step, data: Records) -> dict[str, float]:
         """Held-out preference pairs: how often, and by how much, the policy prefers the chosen response

@@ -269,6 +269,8 @@ def _placement(plan: Plan, g: FlowGraph, n) -> tuple[str | None, EngineKey | Non
         key = EngineKey(n.role, EngineKind.of(role_kind, phase))
         if n.op == Op.GENERATE:
             args: dict[str, object] = {k: v for k, v in n.kwargs.items() if not hasattr(v, "node")}
+            if plan.phase(n.role, phase).env_workers:  # the environment pool the plan sized
+                args["env_workers"] = plan.phase(n.role, phase).env_workers
         else:
             # a trained role's forward runs on its training engine (its layout) at the forward op's own priced fixed cost
             args = micro_args(pp.layout, plan.phase(n.role, phase).micro_overhead_tokens)

@@ -84,13 +84,15 @@ def _die_with_parent(parent: int) -> None:
 
 
 class RewardProcess:
-    """One child process holding the run's reward functions; one call at a time."""
+    """One child process holding the run's reward functions (or, with ``module``, another
+    server speaking this protocol: the environments of :mod:`flowc.runtime.env_process`);
+    one call at a time."""
 
-    def __init__(self, payload: bytes) -> None:
+    def __init__(self, payload: bytes, module: str = "flowc.runtime.reward_process") -> None:
         """Start the process and send it the functions; :meth:`receive` then gets its "ready"."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flowc.runtime.reward_process", str(os.getpid())],
+            [sys.executable, "-m", module, str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -118,6 +120,13 @@ class RewardProcess:
         fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
         (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
         return cloudpickle.loads(_read_exact(fd, n, deadline))
+
+    def answered(self) -> bool:
+        """Whether an answer (or the process's end) is waiting to be read, without blocking."""
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        return bool(poller.poll(0))
 
     def call(self, *msg: Any, timeout_s: float = 60.0) -> Any:
         """A request and its answer (tests: ``imported``, ``pid``)."""
@@ -169,7 +178,9 @@ def _answer(fns: dict[str, Any], names: dict[str, str], msg: tuple) -> tuple[str
     return "error", f"unknown request {op!r}"
 
 
-def main() -> None:
+def serve(answer: Any) -> None:
+    """A child's main loop: private channels, the payload, then ``answer(payload, request)`` for
+    each request until the parent closes the pipe."""
     _die_with_parent(int(sys.argv[1]))
     src = os.fdopen(os.dup(0), "rb")  # the requests' channel; fd 0 now reads nothing
     out = os.fdopen(os.dup(1), "wb")  # the answers' channel; fd 1 (print) now goes to stderr
@@ -178,13 +189,17 @@ def main() -> None:
     os.close(null)
     os.dup2(2, 1)
     try:
-        fns, names = _read_blocking(src)
-    except Exception as e:  # a function that cannot be unpickled here (its module is not importable)
+        payload = _read_blocking(src)
+    except Exception as e:  # user code that cannot be unpickled here (its module is not importable)
         _write(out, ("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
     _write(out, ("ok", "ready"))
     while (msg := _read_blocking(src)) is not None:  # None: the parent closed the pipe (it is gone)
-        _write(out, _answer(fns, names, msg))
+        _write(out, answer(payload, msg))
+
+
+def main() -> None:
+    serve(lambda payload, msg: _answer(*payload, msg))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ class Rewards:
         self.processes = processes
         self._pool: list[Any] = []
         for fn in fns.values():
-            _by_value(fn)
+            by_value(fn)
 
     def __bool__(self) -> bool:
         return bool(self.fns)
@@ -191,8 +191,8 @@ def _shares(n: int, workers: int) -> list[tuple[int, int]]:
     return [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
-def _by_value(fn: RewardFn) -> None:
-    """Ship a function from the user's own module by value (one loaded from a file path is not
+def by_value(fn: Any) -> None:
+    """Ship a function (or an environment class) from the user's own module by value (one loaded from a file path is not
     in ``sys.modules`` and travels by value anyway; flowc's and installed packages' import anywhere)."""
     fn = getattr(fn, "fn", fn)  # an adapter of verl's or TRL's convention (flowc.rewards): the user's function
     name = getattr(fn, "__module__", "") or ""

@@ -92,9 +92,11 @@ def sample(
     eos_id: int,
     pad_id: int,
     seeds: torch.Tensor | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> Sampled:
     """Sample one response per row of ``prompt_ids`` (repeat rows for n > 1), row ``k`` with
-    ``seeds[k]`` (greedy decoding needs none)."""
+    ``seeds[k]`` (greedy decoding needs none); a row ends at EOS or at any of ``stop_ids``
+    (kept, as EOS is)."""
     if seeds is None and not sp.greedy:
         raise ValueError("sampling needs a seed per row")
     n = prompt_ids.shape[0]
@@ -108,6 +110,7 @@ def sample(
     lps = torch.zeros((n, max_tokens), dtype=torch.float32, device=dev)
     done = torch.zeros(n, dtype=torch.bool, device=dev)
     resp_mask = torch.zeros((n, max_tokens), dtype=torch.bool, device=dev)
+    ends = torch.tensor([eos_id, *stop_ids], dtype=torch.long, device=dev)
     for t in range(max_tokens):
         proc = process_logits(logits, sp)
         logp = F.log_softmax(proc, dim=-1)
@@ -116,7 +119,7 @@ def sample(
         ids[:, t] = torch.where(live, tok, torch.full_like(tok, pad_id))
         lps[:, t] = torch.where(live, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1), torch.zeros_like(lps[:, t]))
         resp_mask[:, t] = live
-        done = done | (tok == eos_id)
+        done = done | torch.isin(tok, ends)
         if bool(done.all()) or t == max_tokens - 1:
             break
         mask = torch.cat([mask, live.long().unsqueeze(-1)], dim=-1)

@@ -86,6 +86,31 @@ class StepTally:
         self.busy += [(x["start"], x["seconds"]) for x in reports if "start" in x]
 
 
+# an agent rollout's per-replica figures: summed over replicas (counts, the environments' time),
+# the longest (wall time), or averaged over trajectories (the rest)
+_AGENT_SUMS = ("env_errors", "env_timeouts", "env_lost", "policy_tokens", "env_tokens", "env_seconds")
+
+
+def agent_metrics(got: list[dict[str, Any]], trajectories: int) -> dict[str, Any]:
+    """``agent/…``: turns, truncation, environment errors and time, the environment's rewards and
+    the means of what its ``info`` reported (``agent/info/KEY``), over the replicas' answers;
+    ``agent/errors`` holds a few of the errors' messages (the controller prints them)."""
+    parts = [x for x in got if "agent" in x]
+    rows = [len(x.get("lengths", [])) for x in parts]
+    total = max(sum(rows), trajectories, 1)
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for x in parts for k in x["agent"]):
+        vals = [(x["agent"].get(k, 0.0), n) for x, n in zip(parts, rows, strict=True)]
+        if k in _AGENT_SUMS:
+            out[f"agent/{k}"] = sum(v for v, _ in vals)
+        elif k == "seconds":
+            out["agent/seconds"] = max(v for v, _ in vals)
+        else:
+            out[f"agent/{k}"] = sum(v * n for v, n in vals) / total
+    out["agent/errors"] = [e for x in parts for e in x.get("agent_errors", [])][:3]
+    return out
+
+
 def step_metrics(
     p: Program, it: Iteration, tally: StepTally, t_step: float, *, wait: Wait, read: Read, limit: Callable[[Step], int]
 ) -> dict[str, Any]:
@@ -116,6 +141,8 @@ def step_metrics(
             gen_tokens += tokens_of[st.node]
             lengths_of[st.node] = [n for x in got for n in x.get("lengths", [])]
             texts_of[st.node] = [t for x in got for t in x.get("texts", [])]
+            if any("agent" in x for x in got):
+                m.update(agent_metrics(got, len(lengths_of[st.node])))
         elif st.op == Op.UPDATE:
             stats = [x["stats"] for x in got]
             for k in dict.fromkeys(k for s in stats for k in s):  # a rank with only padding rows reports fewer
@@ -146,6 +173,18 @@ def step_metrics(
             adv = read(value_at(it.env, node.kwargs["advantages"]))
             m.update(batch_stats("critic/advantages", _valid(adv, lengths_of.get(node.args[0].node))))
     first_reward = next((st.node for st in p.steps if st.op in (Op.REWARD, Op.SCORE)), None)
+    if first_reward is None and "agent/env_reward" in m:  # a flow scored by its environment alone
+        m["reward"] = m["agent/env_reward"]
+        gen = next(st for st in p.steps if st.op == Op.GENERATE)
+        rewards = [v for x in wait(gen, it.metas[gen.node], gen.op) for v in x.get("env_rewards", [])]
+        k, texts = it.samples.get(gen.node, 1), texts_of.get(gen.node, [])
+        if rewards and bool(all(v in (0.0, 1.0) for v in rewards)):
+            m["accuracy"] = sum(rewards) / len(rewards)
+        m["samples"] = [
+            {"prompt": it.prompts[i // k], "response": texts[i], "score": rewards[i]}
+            for i in [j * k for j in range(len(it.prompts))][:SAMPLES_PER_STEP]
+            if i < min(len(texts), len(rewards))
+        ]
     if first_reward:
         m["reward"] = m[f"{first_reward}/mean"]
         m["reward_std"] = m[f"{first_reward}/std"]

@@ -130,22 +130,29 @@ class Worker:
         return bulk, meta
 
     def _generate(self, eng: RolloutEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        r, texts = eng.generate(
-            values["prompts"],
-            n=args["n"],
-            sp=args["sampling"],
-            max_tokens=args["max_tokens"],
-            step=args["step"],
-            round_=args.get("round", 0),
-            row_offset=args["row_offset"],
+        """Responses, or with ``env`` multi-turn trajectories (:mod:`flowc.runtime.agent`); the
+        metadata: texts, the policy's tokens, per-row lengths (the whole trajectory's) and, after
+        generating, whether the engine slept (freed its KV cache: vLLM on CUDA)."""
+        common = dict(
+            n=args["n"], sp=args["sampling"], step=args["step"], round_=args.get("round", 0), row_offset=args["row_offset"]
         )
-        lengths = r.response_mask.sum(dim=1).tolist()  # per response: the step's length statistics
-        meta = {
-            "texts": texts,
-            "tokens": int(r.response_mask.sum()),
-            "lengths": lengths,
-            "slept": eng.sleep(),
-        }  # sleep: free the KV cache (vLLM on CUDA)
+        extra: dict[str, Any] = {}
+        if args.get("env") is not None:
+            out = eng.generate_agent(
+                values["prompts"],
+                args["records"],
+                turn_tokens=args["turn_tokens"],
+                budget=args["max_tokens"],
+                max_turns=args["max_turns"],
+                binding=args["env"],
+                **common,
+            )
+            r, texts = out.rollout, out.texts
+            extra = {"agent": out.metrics, "agent_errors": out.errors[:3], "env_rewards": r.env_reward.tolist()}  # type: ignore[union-attr]
+        else:
+            r, texts = eng.generate(values["prompts"], max_tokens=args["max_tokens"], **common)
+        meta = {"texts": texts, "tokens": int(r.response_mask.sum()), "lengths": r.present.sum(dim=1).tolist(), **extra}
+        meta["slept"] = eng.sleep()
         return r, meta
 
     def _forward(self, eng: TrainEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

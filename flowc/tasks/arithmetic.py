@@ -70,12 +70,13 @@ def exact_match(prompts: list[str], responses: list[str], answer: list[str], **_
     return [1.0 if r.strip() == a else 0.0 for r, a in zip(responses, answer, strict=True)]
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer over VOCAB (BOS prepended, EOS appended by the task)."""
+def build_tokenizer(vocab: Sequence[str] = VOCAB):
+    """A character-level fast tokenizer over ``vocab`` (VOCAB unless given; the specials first,
+    then one token per character; BOS prepended, EOS appended by the task)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    vocab = {tok: i for i, tok in enumerate(vocab)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()

@@ -57,18 +57,28 @@ def accuracy(model, tok, problems: list[Problem], max_tokens: int = 6) -> float:
     return sum(t == p.answer for t, p in zip(texts, problems, strict=True)) / len(problems)
 
 
+def training_args(ap: argparse.ArgumentParser, steps_flag: str, steps: int) -> None:
+    """The options every shipped-model script takes: batch, learning rate, steps, seed."""
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(steps_flag, type=int, default=steps)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def seeded(seed: int) -> random.Random:
+    """Seed torch (2 threads, as the scripts' figures were measured) and return the batches' RNG."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(2)
+    return random.Random(seed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(asset_dir()))
     ap.add_argument("--target", type=float, default=0.30)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--max-steps", type=int, default=4000)
-    ap.add_argument("--seed", type=int, default=0)
+    training_args(ap, "--max-steps", 4000)
     args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(2)
-    rng = random.Random(args.seed)
+    rng = seeded(args.seed)
     tok = build_tokenizer()
     spec = ModelSpec.resolve("flowc-tiny")
     model = load_causal_lm(spec, seed=args.seed)

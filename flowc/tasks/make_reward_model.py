@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from flowc.tasks.arithmetic import Problem, asset_dir, build_tokenizer, reward_model_dir, split
+from flowc.tasks.make_checkpoint import seeded, training_args
 
 
 def wrong_answer(p: Problem, rng: random.Random) -> str:
@@ -66,14 +67,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(reward_model_dir()))
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    training_args(ap, "--steps", 600)
     args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(2)
-    rng = random.Random(args.seed)
+    rng = seeded(args.seed)
     tok = build_tokenizer()
     model = AutoModelForSequenceClassification.from_pretrained(str(asset_dir()), num_labels=1)
     model.config.pad_token_id = tok.pad_token_id

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flowc.ir.functional import Rollout
+from flowc.runtime.batches import map_fields
 
 
 def compute_device() -> torch.device:
@@ -25,7 +26,7 @@ def compute_device() -> torch.device:
 def to_device(r: Rollout, device: torch.device) -> Rollout:
     if r.prompt_ids.device == device:
         return r
-    return Rollout(*(x.to(device) for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask, r.logprobs)))
+    return map_fields(r, lambda x: x.to(device))
 
 
 def collective_device() -> torch.device:

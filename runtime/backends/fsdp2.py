@@ -115,7 +115,7 @@ class Fsdp2Trainer:
         return allreduce(x)
 
     def _score(self, r: Rollout, with_entropy: bool) -> Any:
-        args = (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)
+        args = (r.prompt_ids, r.prompt_mask, r.response_ids, r.present)
         with torch.autocast(self.device.type, dtype=self.compute or torch.float32, enabled=self.compute is not None):
             if self.lm_head:
                 return response_logprobs(self.model, *args, with_entropy=with_entropy)

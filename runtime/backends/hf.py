@@ -38,7 +38,7 @@ class HfRollout:
 
     @torch.no_grad()
     def logprobs(self, r: Rollout) -> torch.Tensor:
-        args = (x.to(self.device) for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask))
+        args = (x.to(self.device) for x in (r.prompt_ids, r.prompt_mask, r.response_ids, r.present))
         return response_logprobs(self.model, *args).cpu()
 
     @torch.no_grad()
@@ -58,6 +58,56 @@ class HfRollout:
         if missing:
             raise DataError(f"{self.init.role}: the weight stream lacked {len(missing)} parameters ({', '.join(missing[:3])}, …)")
 
+    def turns(self, sp: SamplingParams, eos_id: int, pad_id: int, stop_ids: tuple[int, ...]) -> HfTurns:
+        """The agent loop's engine (:mod:`flowc.runtime.agent`): the turns waiting at each call, as one batch."""
+        return HfTurns(self, sp, eos_id, pad_id, stop_ids)
+
     def sleep(self) -> bool:
         """Nothing to free between rollouts (the ``vllm`` backend's sleep mode); says so."""
         return False
+
+
+class HfTurns:
+    """Turns of agent trajectories on the ``hf`` backend: :meth:`advance` decodes every turn
+    submitted since the last call as one left-padded batch, each row with its own seed and limit.
+    Lock-step (:mod:`flowc.runtime.agent`): a batch holds every trajectory still going, in order."""
+
+    lockstep = True
+
+    def __init__(self, hf: HfRollout, sp: SamplingParams, eos_id: int, pad_id: int, stop_ids: tuple[int, ...]) -> None:
+        self.hf, self.sp, self.eos_id, self.pad_id, self.stop_ids = hf, sp, eos_id, pad_id, stop_ids
+        self.queue: list[tuple[int, list[int], int, int]] = []
+
+    def submit(self, key: int, tokens: list[int], max_tokens: int, seed: int) -> None:
+        self.queue.append((key, tokens, max_tokens, seed))
+
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def advance(self) -> list[tuple[int, list[int], list[float]]]:
+        batch, self.queue = self.queue, []
+        if not batch:
+            return []
+        width = max(len(t) for _, t, _, _ in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (_, t, _, _) in enumerate(batch):
+            ids[i, width - len(t) :] = torch.tensor(t, dtype=torch.long)
+            mask[i, width - len(t) :] = 1
+        dev = self.hf.device
+        out = sample(
+            self.hf.model,
+            ids.to(dev),
+            mask.to(dev),
+            self.sp,
+            max_tokens=max(m for _, _, m, _ in batch),
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            seeds=torch.tensor([s for *_, s in batch], dtype=torch.long, device=dev),
+            stop_ids=self.stop_ids,
+        )
+        got = []
+        for i, (key, _, limit, _) in enumerate(batch):
+            k = min(int(out.response_mask[i].sum()), limit)
+            got.append((key, out.response_ids[i, :k].tolist(), out.logprobs[i, :k].tolist()))
+        return got

@@ -18,16 +18,17 @@ import torch
 from flowc.errors import SpecError
 from flowc.ir.functional import PromptBatch, Rollout
 from flowc.ir.sampling import SamplingParams
+from flowc.runtime.agent import AgentResult, run_agents, stop_token_ids
 from flowc.runtime.backends import EngineInit, RolloutBackend, built_backend
 from flowc.runtime.batches import repeat_rows
 from flowc.runtime.modeling import rollout_tokenizer
 
 
-def request_seed(seed: int, step: int, round_: int, row: int, sample: int) -> int:
+def request_seed(seed: int, step: int, round_: int, row: int, sample: int, turn: int = 0) -> int:
     """A sample's seed: stable across processes, Python versions and layouts
-    (FNV-1a over the five numbers)."""
+    (FNV-1a over the five numbers; an agent trajectory's later turns mix their turn in)."""
     x = 1469598103934665603
-    for v in (seed, step, round_, row, sample):
+    for v in (seed, step, round_, row, sample, *((turn,) if turn else ())):
         x = ((x ^ (v & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
     return x % (2**31 - 1)
 
@@ -52,6 +53,8 @@ class RolloutEngine:
         self.b = backend
         self.init = init
         self.tok = rollout_tokenizer(init.tokenizer, backend.vocab_size)
+        self.pools: dict[str, Any] = {}  # environment role → its EnvPool (started on first use)
+        self._tid = 0  # trajectory ids: unique over the engine's life
 
     @torch.no_grad()
     def generate(
@@ -81,8 +84,55 @@ class RolloutEngine:
         )
         return r, self.decode(r)
 
+    @torch.no_grad()
+    def generate_agent(
+        self,
+        prompts: PromptBatch,
+        records: list[dict[str, Any]],
+        *,
+        n: int,
+        sp: SamplingParams,
+        turn_tokens: int,
+        budget: int,
+        max_turns: int,
+        binding: Any,
+        step: int,
+        round_: int,
+        row_offset: int,
+    ) -> AgentResult:
+        """``n`` multi-turn trajectories per prompt row with the environment ``binding``
+        (:mod:`flowc.runtime.agent`); ``budget`` tokens per trajectory after its prompt, at most
+        ``turn_tokens`` per policy turn."""
+        from flowc.runtime.envs import EnvPool
+
+        if binding.role not in self.pools:
+            self.pools[binding.role] = EnvPool(binding)
+        stop = stop_token_ids(self.tok, binding.stop, f"environment {binding.role} ({binding.name})")
+        engine = self.b.turns(sp, self.tok.eos_token_id, self.tok.pad_token_id, tuple(stop))  # type: ignore[attr-defined]
+        seed = self.init.seed
+        out = run_agents(
+            engine,
+            self.pools[binding.role],
+            binding,
+            self.tok,
+            prompts,
+            records,
+            n=n,
+            max_turns=max_turns,
+            budget=budget,
+            turn_tokens=turn_tokens,
+            eos_id=self.tok.eos_token_id,
+            pad_id=self.tok.pad_token_id,
+            seed_of=lambda row, j, turn: request_seed(seed, step, round_, row, j, turn),
+            row_offset=row_offset,
+            first_tid=self._tid,
+            lockstep=self.init.layout.tp > 1,
+        )
+        self._tid += prompts.input_ids.shape[0] * n
+        return out
+
     def decode(self, r: Rollout) -> list[str]:
-        ids = r.response_ids.masked_fill(~r.response_mask, self.tok.pad_token_id)
+        ids = r.response_ids.masked_fill(~r.present, self.tok.pad_token_id)
         return self.tok.batch_decode(ids, skip_special_tokens=True)
 
     @torch.no_grad()
@@ -100,6 +150,9 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Release what the backend holds beyond its Python objects (vLLM: its engine core), once."""
+        for pool in self.pools.values():
+            pool.close()
+        self.pools = {}
         close = getattr(self.b, "close", None)
         if close is not None:
             close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -45,15 +46,17 @@ def lr_at(cfg: OptimConfig, update: int, total: int) -> float:
 def trim(r: Rollout) -> Rollout:
     """Drop columns that are padding in every row (left of the prompts, right of the responses)."""
     p_keep = int(r.prompt_mask.long().sum(-1).max().item()) if r.prompt_mask.numel() else 0
-    r_keep = int(r.response_mask.long().sum(-1).max().item()) if r.response_mask.numel() else 0
+    r_keep = int(r.present.long().sum(-1).max().item()) if r.response_mask.numel() else 0
     p_keep, r_keep = max(p_keep, 1), max(r_keep, 1)
     p = r.prompt_ids.shape[1]
-    return Rollout(
-        r.prompt_ids[:, p - p_keep :],
-        r.prompt_mask[:, p - p_keep :],
-        r.response_ids[:, :r_keep],
-        r.response_mask[:, :r_keep],
-        r.logprobs[:, :r_keep],
+    return replace(
+        r,
+        prompt_ids=r.prompt_ids[:, p - p_keep :],
+        prompt_mask=r.prompt_mask[:, p - p_keep :],
+        response_ids=r.response_ids[:, :r_keep],
+        response_mask=r.response_mask[:, :r_keep],
+        logprobs=r.logprobs[:, :r_keep],
+        **({"env_mask": r.env_mask[:, :r_keep]} if r.env_mask is not None else {}),
     )
 
 
@@ -85,7 +88,7 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0) ->
     if n == 0:
         return []
     p = r.prompt_mask.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
-    q = r.response_mask.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
+    q = r.present.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
     order = sorted(range(n), key=lambda i: (-q[i], -p[i], i))
     one = n * unit * (max(p) + max(q))
     if one <= budget and one - unit * sum(p[i] + q[i] for i in range(n)) <= overhead:
@@ -277,7 +280,7 @@ class TrainEngine:
                 continue
             out = g["out"][:n].float()
             if scores:  # a reward model scores a sequence at its last response token
-                last = (part.response_mask[:n].long().sum(-1) - 1).clamp(min=0)
+                last = (part.present[:n].long().sum(-1) - 1).clamp(min=0)
                 out_all[idx] = out.gather(1, last.unsqueeze(-1)).squeeze(-1)
             else:
                 out_all[idx] = pad_right(out, width)

@@ -264,10 +264,10 @@ class VllmRollout:
 
     # ------------------------------------------------------------ generate
     @staticmethod
-    def _params(sp: SamplingParams, max_tokens: int, seed: int, eos_id: int):
+    def _params(sp: SamplingParams, max_tokens: int, seed: int, eos_id: int, stop_ids: tuple[int, ...] = ()):
         from vllm import SamplingParams as VSP
 
-        common = dict(max_tokens=max_tokens, logprobs=0, stop_token_ids=[eos_id], detokenize=False)
+        common = dict(max_tokens=max_tokens, logprobs=0, stop_token_ids=[eos_id, *stop_ids], detokenize=False)
         if sp.greedy:
             return VSP(temperature=0.0, **common)
         return VSP(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed, **common)
@@ -309,7 +309,7 @@ class VllmRollout:
 
         self.wake()
         prompts = self._tokens(r.prompt_ids, r.prompt_mask)
-        responses = self._tokens(r.response_ids, r.response_mask)
+        responses = self._tokens(r.response_ids, r.present)
         reqs = [TokensPrompt(prompt_token_ids=p + q) for p, q in zip(prompts, responses, strict=True)]
         sp = VSP(temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate(reqs, sp, use_tqdm=False) if reqs else []
@@ -318,6 +318,11 @@ class VllmRollout:
             for t, tok in enumerate(q):
                 out[i, t] = o.prompt_logprobs[len(p) + t][tok].logprob
         return out
+
+    def turns(self, sp: SamplingParams, eos_id: int, pad_id: int, stop_ids: tuple[int, ...]) -> VllmTurns:
+        """The agent loop's engine (:mod:`flowc.runtime.agent`): requests into vLLM's continuous batch one by one."""
+        self.wake()
+        return VllmTurns(self, sp, eos_id, stop_ids)
 
     # ---------------------------------------------------------------- sync
     @torch.no_grad()
@@ -347,3 +352,40 @@ class VllmRollout:
             self.asleep = False
             return True
         return False
+
+
+class VllmTurns:
+    """Turns of agent trajectories on the ``vllm`` backend: each turn is one request added to the
+    engine's continuous batch when it is submitted (its prefix — the prompt and the turns so far —
+    comes from the prefix cache); :meth:`advance` runs one engine step."""
+
+    lockstep = False
+
+    def __init__(self, v: VllmRollout, sp: SamplingParams, eos_id: int, stop_ids: tuple[int, ...]) -> None:
+        self.engine = v.llm.llm_engine
+        self.sp, self.eos_id, self.stop_ids = sp, eos_id, stop_ids
+        self.open: dict[str, int] = {}  # request id → trajectory key
+        self.count = 0
+
+    def submit(self, key: int, tokens: list[int], max_tokens: int, seed: int) -> None:
+        from vllm.inputs import TokensPrompt
+
+        rid = f"flowc-agent-{key}-{self.count}"
+        self.count += 1
+        params = VllmRollout._params(self.sp, max_tokens, seed, self.eos_id, self.stop_ids)
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), params)
+        self.open[rid] = key
+
+    def pending(self) -> int:
+        return len(self.open)
+
+    def advance(self) -> list[tuple[int, list[int], list[float]]]:
+        got = []
+        for o in self.engine.step():
+            if not getattr(o, "finished", False) or o.request_id not in self.open:
+                continue
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
+            got.append((self.open.pop(o.request_id), toks, lps + [0.0] * (len(toks) - len(lps))))
+        return got

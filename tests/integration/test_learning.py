@@ -68,3 +68,22 @@ def test_dpo_prefers_the_chosen_answers_of_held_out_pairs(ray_cluster, tmp_path)
     assert before["eval/dpo_margin"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
     # measured at step 100: margin 0.18 (beta-scaled log-ratio), 71 % of pairs preferred rightly
     assert after["step"] == steps and after["eval/dpo_margin"] >= 0.09 and after["eval/dpo_accuracy"] >= 0.6, after
+
+
+@pytest.mark.slow
+def test_the_tool_flow_learns_to_call_the_calculator(ray_cluster, tmp_path):
+    """examples/grpo_tool.py on the built-in calculator task: RL raises held-out accuracy and tool
+    use. Measured (docs/benchmarks.md, bench/agentic.py): greedy accuracy 0.122 → 0.998 and tool
+    calls 0.07 → 1.0 per trajectory after 20 steps; the margins are about half of that."""
+    steps = 20
+    cfg = RunConfig(steps=steps, eval_every=steps, checkpoint_every=0)
+    req = request(tmp_path, flow="grpo_tool", steps=steps, out=str(tmp_path / "tool"), workload=None, config=cfg, rollout="hf")
+    rows = [json.loads(x) for x in (run(req, progress=False) / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    before, after = evals[0], evals[-1]
+    assert before["step"] == 0 and after["step"] == steps
+    assert after["eval/accuracy"] - before["eval/accuracy"] >= 0.4, (before["eval/accuracy"], after["eval/accuracy"])
+    assert after["eval/agent/info/tool_calls"] - before["eval/agent/info/tool_calls"] >= 0.4
+    assert after["eval/agent/info/tool_ok"] >= 0.9 * after["eval/agent/info/tool_calls"]  # the calls it learnt are well formed
+    train = [r for r in rows if "agent/turns" in r]
+    assert all(r["actor/mismatch_kl"] < 1e-6 for r in train)  # the trainer scores each token in the context it was sampled in

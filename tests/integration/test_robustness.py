@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import EXAMPLES, ROOT, flowc_cmd, request
 
 from flowc.errors import DataError, SpecError
@@ -260,3 +261,25 @@ def test_a_collective_that_gives_up_on_a_silent_peer_names_the_peer(ray_cluster)
             group.get(refs, "logprobs")
     finally:
         ray_cluster.cancel(refs[1], force=True)
+
+
+def test_an_agent_run_resumed_mid_run_ends_where_an_uninterrupted_one_does(ray_cluster, tmp_path):
+    """examples/grpo_tool.py on the calculator task, stopped after step 2 and resumed to step 4,
+    trains to the same weights and metrics as a run of 4 steps: environments hold nothing across
+    steps, and the hf agent loop's batches do not depend on which environment answered first."""
+    from safetensors.torch import load_file
+
+    def go(out: Path, steps: int):
+        cfg = RunConfig(steps=steps, eval_every=0, checkpoint_every=2)
+        return run(request(tmp_path, flow="grpo_tool", steps=steps, out=str(out), config=cfg), progress=False)
+
+    whole = go(tmp_path / "whole", 4)
+    part = go(tmp_path / "part", 2)
+    run(resume_request(str(part), given_options(steps=4), override=False), progress=False)
+
+    def rows(d: Path) -> list[tuple[int, float, float]]:
+        return [(m["step"], m["reward"], m["agent/turns"]) for m in metrics(d) if "step_s" in m]
+
+    assert rows(whole) == rows(part) and [r[0] for r in rows(part)] == [1, 2, 3, 4]
+    want, got = load_file(str(whole / "final" / "model.safetensors")), load_file(str(part / "final" / "model.safetensors"))
+    assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)

@@ -74,7 +74,8 @@ def test_default_grpo_runs_and_writes_the_run_directory(ray_cluster, tmp_path):
 def test_every_example_runs(ray_cluster, tmp_path, flow):
     ahead = 1 if flow == "grpo_async" else 0  # the example whose loss lets its rollouts lag the trainer
     cfg = RunConfig(steps=2, eval_every=0, checkpoint_every=0, staleness=ahead)
-    out = run(request(tmp_path, flow=flow, steps=2, config=cfg, workload="prompts=8,prompt_len=8,response_len=6"), progress=False)
+    wl = "prompts=8,prompt_len=8,response_len=" + ("20" if flow == "grpo_tool" else "6")  # a tool call and its answer
+    out = run(request(tmp_path, flow=flow, steps=2, config=cfg, workload=wl), progress=False)
     rows = [r for r in metrics(out) if "step_s" in r]
     assert [r["step"] for r in rows] == [1, 2]
     if ahead:
@@ -88,6 +89,8 @@ def test_every_example_runs(ray_cluster, tmp_path, flow):
 
         critic = AutoModelForSequenceClassification.from_pretrained(out / "final" / "critic")  # exported with its head
         assert critic.config.num_labels == 1 and critic.score.weight.abs().sum() > 0
+    if flow == "grpo_tool":  # the built-in calculator task: trajectories with the tool's answers masked out
+        assert rows[-1]["agent/turns"] >= 1 and "agent/info/tool_calls" in rows[-1] and "reward" in rows[-1]
     if flow == "dapo":  # dynamic sampling refilled the batch, or ran out of rounds
         last = rows[-1]
         assert last["filter_groups/kept_groups"] == 1.0 or last["filter_groups/rounds"] == 4

@@ -187,3 +187,57 @@ def test_grpo_with_vllm_matches_the_trainer_after_training_steps(ray_cluster, tm
         assert all(e["kv_cache_tokens"] - 128 >= init.max_model_len for e in built)  # beside vLLM's null block
     finally:
         ctl.shutdown()
+
+
+class Ones:
+    """An environment for the tiny arithmetic model: a turn ending in "1" gets the observation
+    "12"; any other turn ends the trajectory, rewarded 1 when it has two or more digits."""
+
+    stop = ("1",)
+    max_turns = 3
+
+    def reset(self, record):
+        return ""
+
+    def step(self, action):
+        if action.endswith("1"):
+            return "12", 0.0, False
+        return "", float(len(action) >= 2), True
+
+
+def test_an_agent_rollout_on_vllm_keeps_the_sampled_tokens_and_their_context(vllm_worker, tok):
+    """Multi-turn trajectories through vLLM's continuous batch: observations between turns are
+    the tokenizer's ids of the environment's text, masked out of the policy's tokens; and the
+    trainer's teacher-forced log-probabilities of the policy's tokens — with the observations in
+    context — are the engine's (the tokens trained are exactly the tokens sampled)."""
+    from flowc.runtime.envs import bind_class
+
+    m = model()
+    load(vllm_worker, m)
+    prompts = held_out(tok, k=16)
+    binding = bind_class("calc", Ones, "test_vllm:Ones", workers=2, timeout_s=30, error_reward=0.0)
+    piece = Piece(ray.put(prompts), 0, prompts.input_ids.shape[0])
+    args = {
+        "n": 2,
+        "sampling": SamplingParams(temperature=1.0),
+        "max_tokens": 16,
+        "turn_tokens": 6,
+        "max_turns": 3,
+        "env": binding,
+        "records": [{"prompt": str(i)} for i in range(16)],
+        "step": 0,
+        "row_offset": 0,
+    }
+    r, meta = ray.get(vllm_worker.run.remote(KEY, "generate", {"prompts": [piece]}, args), timeout=300)
+    assert meta["agent"]["turns"] > 1 and meta["agent"]["env_tokens"] > 0, meta["agent"]
+    assert not (r.response_mask & r.env_mask).any()
+    obs = tok("12", add_special_tokens=False)["input_ids"]
+    for i in range(r.response_ids.shape[0]):
+        ids = r.response_ids[i].tolist()
+        env_pos = r.env_mask[i].nonzero().squeeze(-1).tolist()
+        assert len(env_pos) == 2 * (int(r.turns[i]) - 1)  # one observation between consecutive turns
+        assert [ids[j] for j in env_pos] == obs * (int(r.turns[i]) - 1)
+    with torch.no_grad():
+        want = response_logprobs(m, r.prompt_ids, r.prompt_mask.long(), r.response_ids, r.present.long())
+    assert masked_max(want, r.logprobs, r.response_mask) < TOL
+    assert float((r.logprobs * r.env_mask).abs().max()) == 0.0

@@ -122,7 +122,7 @@ def check_memory(plan, model):
 @given(flows, models(), clusters, workloads)
 def test_random_plans_verify(flow, model, cluster, workload):
     g = graph(flow)
-    roles = {r: model for r in g.roles if g.roles[r].kind != "reward"}
+    roles = {r: model for r in g.roles if g.roles[r].kind not in ("reward", "environment")}
     try:
         plan, planned, _ = make_plan(g, roles, cluster, workload)
     except InfeasibleError as e:
@@ -159,7 +159,7 @@ def test_the_plan_the_search_ranks_is_the_plan_emitted(flow, model, cluster, wor
     plan built from its winner must predict exactly the step time it was ranked at,
     every op and sync at the time the search priced (pins and runtime limits included)."""
     g = graph(flow)
-    roles = {r: model for r in g.roles if g.roles[r].kind != "reward"}
+    roles = {r: model for r in g.roles if g.roles[r].kind not in ("reward", "environment")}
     if any(item not in ("actor.train", "actor.gen") for grp in (pins.colocate or []) for item in grp) or flow == "ppo":
         pins = pins.model_copy(update={"colocate": None})
     try:
@@ -200,7 +200,9 @@ def test_published_runs_are_feasible(flow, model, cluster):
         if model == "deepseek-v3"
         else WorkloadSpec(prompts=1024, prompt_len=512, response_len=1024)
     )
-    plan, planned, _ = make_plan(g, {r: m for r in g.roles if g.roles[r].kind != "reward"}, ClusterSpec.parse(cluster), w)
+    plan, planned, _ = make_plan(
+        g, {r: m for r in g.roles if g.roles[r].kind not in ("reward", "environment")}, ClusterSpec.parse(cluster), w
+    )
     verify_plan(plan)
     verify(planned, "planned")
 
@@ -211,7 +213,7 @@ def test_option_pruning_matches_pricing_every_layout(flow, model, cluster, workl
     """The option table skips micro-batches it can prove useless; its Pareto front and its
     "the faster X needs N GB" miss must equal those of pricing every layout."""
     g = graph(flow)
-    roles = {r: model for r in g.roles if g.roles[r].kind != "reward"}
+    roles = {r: model for r in g.roles if g.roles[r].kind not in ("reward", "environment")}
     units = [u for u in units_of(g) if not u.generates and u.role in roles]
     table = OptionTable(units_of(g), roles, demands(g, workload), workload, Hw.of(cluster), Pins(), ("vllm",))
     u = data.draw(st.sampled_from(units))

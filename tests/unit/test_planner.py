@@ -239,7 +239,7 @@ def test_every_example_plans_on_a_gpu_node(flow):
     plan, _, _ = plan_of(flow, "qwen2.5-7b", "1x8xH100", WorkloadSpec(prompts=256, prompt_len=512, response_len=1024))
     verify_plan(plan)
     g = load_flow(str(EXAMPLES / f"{flow}.py")).trace()
-    assert set(plan.roles) == {r for r, info in g.roles.items() if info.kind != "reward"}
+    assert set(plan.roles) == {r for r, info in g.roles.items() if info.kind not in ("reward", "environment")}
     assert plan.predicted.step_time_s > 0 and all(p.layout.backend for r in plan.roles.values() for p in r.phases.values())
 
 

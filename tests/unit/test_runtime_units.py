@@ -35,7 +35,7 @@ def planned(flow: str, cluster: str = "1x8xH100", model: str = "qwen2.5-7b", pin
     cl = ClusterSpec.parse(cluster)
     plan, pg, _ = make_plan(
         g,
-        {r: m for r, i in g.roles.items() if i.kind != "reward"},
+        {r: m for r, i in g.roles.items() if i.kind not in ("reward", "environment")},
         cl,
         WorkloadSpec(prompts=64),
         runtime_pins(cl.profile.kind).merged(pins or Pins()),

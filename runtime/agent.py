@@ -1,0 +1,252 @@
+"""Agent rollouts: multi-turn trajectories between a policy's rollout engine and an environment.
+
+One trajectory per (prompt row, sample). The loop keeps every trajectory in one of three states —
+waiting for the engine, waiting for its environment, done — and moves each one as soon as its
+own answer arrives: a turn that ends goes to the environment at once (:class:`EnvPool` runs
+environments in processes of their own, so they think while the engine generates), and an
+observation that arrives goes back to the engine at once. The vLLM engine takes requests one by
+one and steps its continuous batch (a turn is submitted as soon as its observation is there); the
+``hf`` engine runs lock-step per turn: it waits for every environment, then decodes all the turns
+waiting as one batch, so a batch's rows (and so their numerics) never depend on which environment
+answered first and a run is reproducible. When a vLLM replica spans several ranks (tensor
+parallelism), every rank must submit the same requests in the same order, so it runs lock-step too.
+
+Token ids are kept as produced: the policy's turns as the engine sampled them, the observations
+as the tokenizer encodes them once (``add_special_tokens=False``); nothing is re-tokenised from
+text. A policy turn ends at EOS, at one of the environment's stop tokens, at the turn's token
+limit, or where the trajectory's token budget (the rollout's response width) runs out. Every policy
+turn is passed to ``env.step``: an observation is appended only when the trajectory goes on (the
+environment did not say done, the turn did not end at EOS, turns and budget remain); the budget
+cuts an observation that does not fit, and the trajectory ends there (``truncated``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from flowc.errors import SpecError
+from flowc.ir.functional import PromptBatch, Rollout
+from flowc.runtime.envs import EnvBinding, EnvPool
+
+
+class TurnEngine(Protocol):
+    """What the agent loop needs of a rollout backend: requests in, finished turns out."""
+
+    def submit(self, key: int, tokens: list[int], max_tokens: int, seed: int) -> None:
+        """Continue ``tokens`` (a prompt and the trajectory so far) by at most ``max_tokens``."""
+
+    def advance(self) -> list[tuple[int, list[int], list[float]]]:
+        """Generate a while; the turns that finished: ``(key, token ids, log-probabilities)``."""
+
+    def pending(self) -> int:
+        """Requests submitted and not yet returned."""
+
+    lockstep: bool  # True: wait for every environment before the next batch (a deterministic batch)
+
+
+@dataclass
+class Trajectory:
+    tid: int
+    row: int  # the rollout row it becomes
+    seed_row: int  # the global prompt row (seeds follow it)
+    sample: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    reward: float = 0.0
+    last: bool = False  # the turn in the environment is the last one
+    done: bool = False
+    truncated: bool = False
+    error: str | None = None  # "error", "timeout" or "lost"
+    message: str = ""
+    info: dict[str, float] = field(default_factory=dict)
+
+
+def stop_token_ids(tok: Any, stop: Sequence[str], where: str) -> list[int]:
+    """The token id of each stop string; a string that is not exactly one token is refused (the
+    engines stop on token ids, and a string spread over tokens could be split differently)."""
+    out = []
+    for s in stop:
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise SpecError(
+                f"{where}: the stop string {s!r} is {len(ids)} tokens for this tokenizer, not one",
+                fix="end a turn with a string the tokenizer keeps as one token (a special token such as '</tool_call>')",
+            )
+        out.append(int(ids[0]))
+    return out
+
+
+@dataclass
+class AgentResult:
+    rollout: Rollout
+    texts: list[str]
+    metrics: dict[str, float]
+    errors: list[str]  # "kind: message" of each trajectory its environment ended
+
+
+def run_agents(
+    engine: TurnEngine,
+    pool: EnvPool,
+    binding: EnvBinding,
+    tok: Any,
+    prompts: PromptBatch,
+    records: list[dict[str, Any]],
+    *,
+    n: int,
+    max_turns: int,
+    budget: int,
+    turn_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    seed_of: Callable[[int, int, int], int],
+    row_offset: int,
+    first_tid: int,
+    lockstep: bool = False,
+) -> AgentResult:
+    """Run ``n`` trajectories per prompt row to their ends; returns them as one rollout of
+    ``rows·n`` sequences whose response is ``budget`` tokens wide. ``seed_of(row, sample, turn)``
+    gives each turn's seed (``row``: the global prompt row)."""
+    lockstep = lockstep or bool(getattr(engine, "lockstep", False))
+    rows = prompts.input_ids.shape[0]
+    if len(records) != rows:
+        raise ValueError(f"{len(records)} records for {rows} prompt rows")
+    t0 = time.perf_counter()
+    env0 = pool.seconds()
+    trajs: dict[int, Trajectory] = {}
+    for i in range(rows):
+        ids = prompts.input_ids[i][prompts.attention_mask[i].bool()].tolist()
+        for j in range(n):
+            t = Trajectory(first_tid + i * n + j, i * n + j, row_offset + i, j, ids)
+            trajs[t.tid] = t
+            pool.submit(t.tid, "reset", records[i])
+    ready: list[int] = []
+    waiting_env = len(trajs)
+
+    def finish(t: Trajectory) -> None:
+        t.done = True
+        pool.submit(t.tid, "close")
+
+    def observe(t: Trajectory, obs: str) -> None:
+        ids = tok(obs, add_special_tokens=False)["input_ids"] if obs else []
+        room = budget - len(t.tokens)
+        if len(ids) >= room:  # nothing left for the policy after it
+            t.tokens += ids[:room]
+            t.policy += [False] * min(len(ids), room)
+            t.logprobs += [0.0] * min(len(ids), room)
+            t.truncated = True
+            finish(t)
+            return
+        t.tokens += ids
+        t.policy += [False] * len(ids)
+        t.logprobs += [0.0] * len(ids)
+        ready.append(t.tid)
+
+    while waiting_env or ready or engine.pending():
+        if ready and not (lockstep and waiting_env):
+            for tid in sorted(ready):  # in trajectory order: a batch does not depend on who answered first
+                t = trajs[tid]
+                room = budget - len(t.tokens)
+                engine.submit(tid, t.prompt + t.tokens, min(turn_tokens, room), seed_of(t.seed_row, t.sample, t.turns))
+            ready = []
+        if engine.pending():
+            for tid, got, lps in engine.advance():
+                t = trajs[tid]
+                t.tokens += got
+                t.policy += [True] * len(got)
+                t.logprobs += lps
+                t.turns += 1
+                eos = bool(got) and got[-1] == eos_id
+                if len(t.tokens) >= budget and not eos:
+                    t.truncated = True
+                t.last = eos or t.truncated or t.turns >= max_turns
+                action = tok.decode(got, skip_special_tokens=True)
+                pool.submit(tid, "step", action)
+                waiting_env += 1
+        busy = engine.pending() > 0 or (ready and not (lockstep and waiting_env))
+        for tid, op, kind, value in pool.poll(0.0 if busy else 0.5):
+            t = trajs[tid]
+            waiting_env -= 1
+            if t.done:
+                continue
+            if kind != "ok":
+                t.error, t.message = kind, str(value)
+                t.reward += binding.error_reward
+                finish(t)
+                continue
+            if op == "reset":
+                observe(t, value)
+                continue
+            obs, reward, done, info = value
+            t.reward += reward
+            for k, v in info.items():
+                t.info[k] = t.info.get(k, 0.0) + v
+            if t.last or done:
+                finish(t)
+            else:
+                observe(t, obs)
+    return _assemble(
+        list(trajs.values()), prompts, n, budget, pad_id, tok, binding, time.perf_counter() - t0, pool.seconds() - env0
+    )
+
+
+def _assemble(
+    trajs: list[Trajectory],
+    prompts: PromptBatch,
+    n: int,
+    budget: int,
+    pad_id: int,
+    tok: Any,
+    binding: EnvBinding,
+    seconds: float,
+    env_seconds: float,
+) -> AgentResult:
+    from flowc.runtime.batches import repeat_rows
+
+    trajs = sorted(trajs, key=lambda t: t.row)
+    N = len(trajs)
+    ids = torch.full((N, budget), pad_id, dtype=torch.long)
+    policy = torch.zeros((N, budget), dtype=torch.bool)
+    env = torch.zeros((N, budget), dtype=torch.bool)
+    lps = torch.zeros((N, budget), dtype=torch.float32)
+    for t in trajs:
+        k = len(t.tokens)
+        ids[t.row, :k] = torch.tensor(t.tokens, dtype=torch.long)
+        pm = torch.tensor(t.policy, dtype=torch.bool)
+        policy[t.row, :k] = pm
+        env[t.row, :k] = ~pm
+        lps[t.row, :k] = torch.tensor(t.logprobs, dtype=torch.float32)
+    rollout = Rollout(
+        repeat_rows(prompts.input_ids, n),
+        repeat_rows(prompts.attention_mask, n).bool(),
+        ids,
+        policy,
+        lps,
+        env_mask=env,
+        env_reward=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
+        turns=torch.tensor([t.turns for t in trajs], dtype=torch.long),
+    )
+    texts = [tok.decode(t.tokens, skip_special_tokens=True) for t in trajs]
+    m: dict[str, float] = {
+        "turns": sum(t.turns for t in trajs) / max(N, 1),
+        "env_errors": float(sum(t.error == "error" for t in trajs)),
+        "env_timeouts": float(sum(t.error == "timeout" for t in trajs)),
+        "env_lost": float(sum(t.error == "lost" for t in trajs)),
+        "truncated": sum(t.truncated for t in trajs) / max(N, 1),
+        "env_reward": sum(t.reward for t in trajs) / max(N, 1),
+        "policy_tokens": float(policy.sum()),
+        "env_tokens": float(env.sum()),
+        "seconds": seconds,
+        "env_seconds": env_seconds,
+    }
+    keys = sorted({k for t in trajs for k in t.info})
+    for k in keys:
+        m[f"info/{k}"] = sum(t.info.get(k, 0.0) for t in trajs) / max(N, 1)
+    return AgentResult(rollout, texts, m, [f"{t.error}: {t.message}" for t in trajs if t.error])
