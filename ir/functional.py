@@ -165,8 +165,30 @@ def gae(
     sequence's last response token are terminal (their value counts 0).
     Returns ``(advantages, returns)``, both ``[N, R]`` and zero off the mask;
     ``returns = advantages + values``. With ``gamma = lam = 1`` the advantage
-    is the reward-to-go minus the value.
+    is the reward-to-go minus the value. In a multi-turn trajectory the mask
+    (the policy's tokens) has holes where observations are: the recurrence runs
+    over the policy's tokens alone, each bootstrapping from the next one.
     """
+    idx = _packed(mask)
+    adv, ret = _gae_prefix(token_rewards.gather(1, idx), values.gather(1, idx), mask.gather(1, idx), gamma, lam)
+    return _unpack(adv, idx), _unpack(ret, idx)
+
+
+def _packed(mask: torch.Tensor) -> torch.Tensor:
+    """The gather index that moves each row's masked positions to its front, in order (a mask with
+    holes — a trajectory's policy tokens between observations — becomes a prefix; a prefix mask is
+    left as it is)."""
+    return torch.argsort((~mask.bool()).to(torch.int8), dim=-1, stable=True)
+
+
+def _unpack(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x`` (packed by ``idx``) back at the positions it came from."""
+    return torch.zeros_like(x).scatter(1, idx, x)
+
+
+def _gae_prefix(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     m = mask.to(values.dtype)
     r_len = token_rewards.shape[-1]
     last = torch.zeros_like(values[:, 0])
@@ -188,14 +210,17 @@ def gae(
 @traceable
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """Reward-to-go per token: ``G_t = r_t + gamma * G_{t+1}`` within each
-    sequence's response (REINFORCE++'s return). ``[N, R]`` in and out."""
-    m = mask.to(token_rewards.dtype)
-    running = torch.zeros_like(token_rewards[:, 0])
+    sequence's response (REINFORCE++'s return). ``[N, R]`` in and out. Over a
+    multi-turn trajectory's policy tokens alone (the observations between them
+    are not steps)."""
+    idx = _packed(mask)
+    r, m = token_rewards.gather(1, idx), mask.gather(1, idx).to(token_rewards.dtype)
+    running = torch.zeros_like(r[:, 0])
     out = []
-    for t in reversed(range(token_rewards.shape[-1])):
-        running = token_rewards[:, t] * m[:, t] + gamma * running * m[:, t]
+    for t in reversed(range(r.shape[-1])):
+        running = r[:, t] * m[:, t] + gamma * running * m[:, t]
         out.append(running)
-    return torch.stack(out[::-1], dim=-1)
+    return _unpack(torch.stack(out[::-1], dim=-1), idx)
 
 
 @traceable

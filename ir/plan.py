@@ -183,7 +183,8 @@ class PhasePlan(BaseModel):
     gpu_memory_utilization: float = Field(0.0, ge=0, le=1)
     gpu_memory_utilization_pinned: bool = False
     # generation with an environment (generate(env=…)): environment processes per replica, sized so
-    # their work fits in the generation's time (0: no environment)
+    # their work fits in the generation's time (0: no environment, or no environment latency in the
+    # workload to size them by: the run config's env_workers)
     env_workers: int = Field(0, ge=0)
 
 

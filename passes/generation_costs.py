@@ -74,7 +74,7 @@ def agent_turns(d: Demand, seqs: int, request_s: float, prefill_s: Any, *, stati
         "obs_prefill": prefill_s(rows, tokens) if tokens > 0 else 0.0,
         "turn_requests": seqs * later * request_s,
         "env_wait": d.turns * d.env_latency_s,
-        "env_busy": steps * d.env_latency_s / workers,
+        "env_busy": steps * d.env_latency_s / max(workers, 1),
         "env_workers": float(workers),
         "gen_s": gen_s,
     }
@@ -86,10 +86,11 @@ ENV_WORKERS_MAX = 64  # environment processes per rollout replica the planner su
 def env_workers_for(d: Demand, seqs: int, gen_s: float) -> int:
     """Environment processes per replica: the fewest whose work (``seqs × turns`` steps of
     ``env_latency_s``) fits in the generation's own time ``gen_s``, so the environments keep up with
-    the engine; at least one, at most one per trajectory (and :data:`ENV_WORKERS_MAX`)."""
+    the engine; at least one, at most one per trajectory (and :data:`ENV_WORKERS_MAX`). 0 — no
+    opinion, the run config's ``env_workers`` — when the workload gives no environment latency."""
     work = seqs * d.turns * d.env_latency_s
     if work <= 0:
-        return 1
+        return 0
     need = math.ceil(work / gen_s) if gen_s > 0 else seqs
     return int(max(1, min(need, seqs, ENV_WORKERS_MAX)))
 

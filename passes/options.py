@@ -275,11 +275,14 @@ class OptionTable:
         m = self.models[u.role]
         pin = self.pins.phase(u.role, "generate")
         out: list[Layout] = []
+        # a multi-turn generate runs on single-rank replicas: a tensor-parallel replica's ranks would each run
+        # their own environments (runtime.agent); its model must fit one device
+        agent = any(self.demand[op].agent for op in u.ops if op in self.demand)
         for backend in (pin.backend,) if pin.backend else self.rollout_backends:
             # within a node first; over nodes only for models whose weights need more than a node's tp group
-            tps = tp_choices(m, d, self.hw)
+            tps = [1] if agent and pin.tp is None else tp_choices(m, d, self.hw)
             widest = generation_weights_gb(m, _layout(tp=max(tps or [1]), backend=backend))
-            if pin.tp is not None or widest > 0.5 * self.capacity_gb:
+            if not agent and (pin.tp is not None or widest > 0.5 * self.capacity_gb):
                 tps = tp_choices(m, d, self.hw, across_nodes=True)
             for tp in tps:
                 for pp in _powers_dividing(d // tp, 16):

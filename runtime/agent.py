@@ -8,8 +8,9 @@ observation that arrives goes back to the engine at once. The vLLM engine takes 
 one and steps its continuous batch (a turn is submitted as soon as its observation is there); the
 ``hf`` engine runs lock-step per turn: it waits for every environment, then decodes all the turns
 waiting as one batch, so a batch's rows (and so their numerics) never depend on which environment
-answered first and a run is reproducible. When a vLLM replica spans several ranks (tensor
-parallelism), every rank must submit the same requests in the same order, so it runs lock-step too.
+answered first and a run is reproducible. Replicas are single-rank (the planner plans tp 1 for a
+multi-turn generate, the engine refuses more): the ranks of a tensor-parallel replica would each run
+environments of their own.
 
 Token ids are kept as produced: the policy's turns as the engine sampled them, the observations
 as the tokenizer encodes them once (``add_special_tokens=False``); nothing is re-tokenised from
@@ -46,6 +47,9 @@ class TurnEngine(Protocol):
     def pending(self) -> int:
         """Requests submitted and not yet returned."""
 
+    def abort(self) -> None:
+        """Drop the requests not yet returned (the loop failed)."""
+
     lockstep: bool  # True: wait for every environment before the next batch (a deterministic batch)
 
 
@@ -66,14 +70,21 @@ class Trajectory:
     truncated: bool = False
     error: str | None = None  # "error", "timeout" or "lost"
     message: str = ""
+    dropped: bool = False  # its environment's process died for another trajectory: no gradient from it
     info: dict[str, float] = field(default_factory=dict)
 
 
 def stop_token_ids(tok: Any, stop: Sequence[str], where: str) -> list[int]:
-    """The token id of each stop string; a string that is not exactly one token is refused (the
-    engines stop on token ids, and a string spread over tokens could be split differently)."""
+    """The token id of each stop string: the vocabulary's entry for it (what the model emits, not a
+    SentencePiece tokenizer's word-initial variant of it), else the one token it encodes to; a string
+    that is not one token is refused (the engines stop on token ids, and a string spread over tokens
+    could be split differently)."""
+    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
     out = []
     for s in stop:
+        if s in vocab:
+            out.append(int(vocab[s]))
+            continue
         ids = tok(s, add_special_tokens=False)["input_ids"]
         if len(ids) != 1:
             raise SpecError(
@@ -104,7 +115,7 @@ def run_agents(
     max_turns: int,
     budget: int,
     turn_tokens: int,
-    eos_id: int,
+    eos_ids: Sequence[int],
     pad_id: int,
     seed_of: Callable[[int, int, int], int],
     row_offset: int,
@@ -149,49 +160,59 @@ def run_agents(
         t.logprobs += [0.0] * len(ids)
         ready.append(t.tid)
 
-    while waiting_env or ready or engine.pending():
-        if ready and not (lockstep and waiting_env):
-            for tid in sorted(ready):  # in trajectory order: a batch does not depend on who answered first
+    try:
+        while waiting_env or ready or engine.pending():
+            hold = lockstep and (waiting_env > 0 or engine.pending() > 0)  # lock-step: one whole turn at a time
+            if ready and not hold:
+                for tid in sorted(ready):  # in trajectory order: a batch does not depend on who answered first
+                    t = trajs[tid]
+                    room = budget - len(t.tokens)
+                    engine.submit(tid, t.prompt + t.tokens, min(turn_tokens, room), seed_of(t.seed_row, t.sample, t.turns))
+                ready = []
+            if engine.pending():
+                for tid, got, lps in engine.advance():
+                    t = trajs[tid]
+                    t.tokens += got
+                    t.policy += [True] * len(got)
+                    t.logprobs += lps
+                    t.turns += 1
+                    eos = bool(got) and got[-1] in eos_ids
+                    if len(t.tokens) >= budget and not eos:
+                        t.truncated = True
+                    t.last = eos or t.truncated or t.turns >= max_turns
+                    # the turn's text as sampled, special stop tokens included (the environment tells a tool call
+                    # from an answer by them); only the end-of-sequence token is left out
+                    action = tok.decode([i for i in got if i not in eos_ids], skip_special_tokens=False)
+                    pool.submit(tid, "step", action)
+                    waiting_env += 1
+            busy = engine.pending() > 0 or (ready and not hold)
+            for tid, op, kind, value in pool.poll(0.0 if busy else 0.5):
                 t = trajs[tid]
-                room = budget - len(t.tokens)
-                engine.submit(tid, t.prompt + t.tokens, min(turn_tokens, room), seed_of(t.seed_row, t.sample, t.turns))
-            ready = []
-        if engine.pending():
-            for tid, got, lps in engine.advance():
-                t = trajs[tid]
-                t.tokens += got
-                t.policy += [True] * len(got)
-                t.logprobs += lps
-                t.turns += 1
-                eos = bool(got) and got[-1] == eos_id
-                if len(t.tokens) >= budget and not eos:
-                    t.truncated = True
-                t.last = eos or t.truncated or t.turns >= max_turns
-                action = tok.decode(got, skip_special_tokens=True)
-                pool.submit(tid, "step", action)
-                waiting_env += 1
-        busy = engine.pending() > 0 or (ready and not (lockstep and waiting_env))
-        for tid, op, kind, value in pool.poll(0.0 if busy else 0.5):
-            t = trajs[tid]
-            waiting_env -= 1
-            if t.done:
-                continue
-            if kind != "ok":
-                t.error, t.message = kind, str(value)
-                t.reward += binding.error_reward
-                finish(t)
-                continue
-            if op == "reset":
-                observe(t, value)
-                continue
-            obs, reward, done, info = value
-            t.reward += reward
-            for k, v in info.items():
-                t.info[k] = t.info.get(k, 0.0) + v
-            if t.last or done:
-                finish(t)
-            else:
-                observe(t, obs)
+                waiting_env -= 1
+                if t.done:
+                    continue
+                if kind != "ok":
+                    t.error, t.message = kind, str(value)
+                    if kind == "lost":  # not its own environment's fault: kept out of the loss, not penalised
+                        t.dropped = True
+                    else:
+                        t.reward = binding.error_reward
+                    finish(t)
+                    continue
+                if op == "reset":
+                    observe(t, value)
+                    continue
+                obs, reward, done, info = value
+                t.reward += reward
+                for k, v in info.items():
+                    t.info[k] = t.info.get(k, 0.0) + v
+                if t.last or done:
+                    finish(t)
+                else:
+                    observe(t, obs)
+    except BaseException:  # nothing of this rollout stays in the engine
+        engine.abort()
+        raise
     return _assemble(
         list(trajs.values()), prompts, n, budget, pad_id, tok, binding, time.perf_counter() - t0, pool.seconds() - env0
     )
@@ -219,7 +240,7 @@ def _assemble(
     for t in trajs:
         k = len(t.tokens)
         ids[t.row, :k] = torch.tensor(t.tokens, dtype=torch.long)
-        pm = torch.tensor(t.policy, dtype=torch.bool)
+        pm = torch.tensor(t.policy, dtype=torch.bool) & (not t.dropped)
         policy[t.row, :k] = pm
         env[t.row, :k] = ~pm
         lps[t.row, :k] = torch.tensor(t.logprobs, dtype=torch.float32)

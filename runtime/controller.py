@@ -573,7 +573,10 @@ class Controller:
         return gen.call("import_weights", st.args["to"], exported[0][0], self._probe)
 
     def _response_limit(self, st: Step) -> int:
-        """The longest response ``st`` may generate (what ``response_length/clip_ratio`` counts)."""
+        """The longest response ``st`` may generate (what ``response_length/clip_ratio`` counts; a
+        multi-turn generate's policy tokens are bounded by the trajectory's budget)."""
+        if st.args.get("env") is not None:
+            return self.p.workload.response_len
         return int(st.args.get("max_tokens") or self.cfg.sampling.max_tokens or self.p.workload.response_len)
 
     # ------------------------------------------------------------- evaluate
@@ -605,7 +608,7 @@ class Controller:
             args.update(
                 env=binding,
                 records=[{"prompt": r[data.prompt_key], **r} for r in rows],
-                turn_tokens=self.p.workload.response_len,
+                turn_tokens=sampling_of(gen, self.cfg).max_tokens or self.p.workload.response_len,  # as in training
                 max_turns=int(gen.args.get("max_turns") or binding.max_turns),
             )
         out = self._generate_call(wg, e, src, args)
@@ -657,7 +660,8 @@ class Controller:
         gen = next(st for st in self.p.steps_of(Op.GENERATE) if st.engine.role == role)
         rows = self.s.data.batch(0, self.p.workload.prompts, self.cfg.seed)
         prompts = Local(tokenize_prompts(self.tok, [r[self.s.data.prompt_key] for r in rows], self.p.workload.prompt_len))
-        rollout, metas = self._generate(gen, prompts, 2, step)
+        records = [{"prompt": r[self.s.data.prompt_key], **r} for r in rows]
+        rollout, metas = self._generate(gen, prompts, 2, step, records=records)
         self._wait(gen, metas, "generate")
         train_key = EngineKey(role, EngineKind.TRAIN)
         tg, te = self.p.engine(train_key)

@@ -98,7 +98,13 @@ class EnvPool:
 
     def __init__(self, binding: EnvBinding) -> None:
         self.b = binding
-        self.workers = [self._start() for _ in range(binding.workers)]
+        self.workers: list[_Worker] = []
+        try:
+            for _ in range(binding.workers):
+                self.workers.append(self._start())
+        except BaseException:
+            self.close()  # the ones started before the one that failed
+            raise
         self.restarts = 0
         self._answered: list[tuple[int, str, str, Any]] = []  # answers known without asking (lost instances)
 

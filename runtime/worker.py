@@ -151,7 +151,8 @@ class Worker:
             extra = {"agent": out.metrics, "agent_errors": out.errors[:3], "env_rewards": r.env_reward.tolist()}  # type: ignore[union-attr]
         else:
             r, texts = eng.generate(values["prompts"], max_tokens=args["max_tokens"], **common)
-        meta = {"texts": texts, "tokens": int(r.response_mask.sum()), "lengths": r.present.sum(dim=1).tolist(), **extra}
+        # lengths: the policy's tokens per row (what mean_response_len prices; a trajectory's observations are not)
+        meta = {"texts": texts, "tokens": int(r.response_mask.sum()), "lengths": r.response_mask.sum(dim=1).tolist(), **extra}
         meta["slept"] = eng.sleep()
         return r, meta
 

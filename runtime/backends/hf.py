@@ -84,6 +84,9 @@ class HfTurns:
     def pending(self) -> int:
         return len(self.queue)
 
+    def abort(self) -> None:
+        self.queue = []
+
     def advance(self) -> list[tuple[int, list[int], list[float]]]:
         batch, self.queue = self.queue, []
         if not batch:

@@ -33,6 +33,23 @@ def request_seed(seed: int, step: int, round_: int, row: int, sample: int, turn:
     return x % (2**31 - 1)
 
 
+def eos_token_ids(tok: Any, source: str) -> tuple[int, ...]:
+    """The tokenizer's EOS first, then the other end-of-sequence ids of the model's
+    ``generation_config.json`` (an instruct model's ``<|endoftext|>`` beside ``<|im_end|>``)."""
+    import json
+    from pathlib import Path
+
+    out = [int(tok.eos_token_id)]
+    try:
+        extra = json.loads((Path(source) / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        extra = None
+    for i in extra if isinstance(extra, list) else [extra]:
+        if isinstance(i, int) and i not in out and i < len(tok):
+            out.append(i)
+    return tuple(out)
+
+
 class Counted:
     """A weight stream that tallies the bytes it hands over."""
 
@@ -105,10 +122,19 @@ class RolloutEngine:
         ``turn_tokens`` per policy turn."""
         from flowc.runtime.envs import EnvPool
 
+        if self.init.layout.tp > 1:
+            raise SpecError(
+                f"{self.init.role}.generate with environment {binding.role} on a tensor-parallel replica "
+                f"(tp={self.init.layout.tp}): multi-turn generation runs on single-rank replicas only (each rank would "
+                "run environments of its own and could diverge)",
+                fix=f"plan it with tp 1 (drop the pin {self.init.role}.generate.tp, or pin {self.init.role}.generate.tp=1)",
+            )
         if binding.role not in self.pools:
             self.pools[binding.role] = EnvPool(binding)
         stop = stop_token_ids(self.tok, binding.stop, f"environment {binding.role} ({binding.name})")
-        engine = self.b.turns(sp, self.tok.eos_token_id, self.tok.pad_token_id, tuple(stop))  # type: ignore[attr-defined]
+        eos = eos_token_ids(self.tok, self.init.source)
+        # the model's other end-of-sequence tokens end a turn too (and the trajectory), on both backends
+        engine = self.b.turns(sp, eos[0], self.tok.pad_token_id, (*stop, *eos[1:]))  # type: ignore[attr-defined]
         seed = self.init.seed
         out = run_agents(
             engine,
@@ -121,12 +147,11 @@ class RolloutEngine:
             max_turns=max_turns,
             budget=budget,
             turn_tokens=turn_tokens,
-            eos_id=self.tok.eos_token_id,
+            eos_ids=eos,
             pad_id=self.tok.pad_token_id,
             seed_of=lambda row, j, turn: request_seed(seed, step, round_, row, j, turn),
             row_offset=row_offset,
             first_tid=self._tid,
-            lockstep=self.init.layout.tp > 1,
         )
         self._tid += prompts.input_ids.shape[0] * n
         return out

@@ -369,10 +369,12 @@ class VllmTurns:
 
     def submit(self, key: int, tokens: list[int], max_tokens: int, seed: int) -> None:
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         rid = f"flowc-agent-{key}-{self.count}"
         self.count += 1
         params = VllmRollout._params(self.sp, max_tokens, seed, self.eos_id, self.stop_ids)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # a turn's tokens once, when it ends
         self.engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens), params)
         self.open[rid] = key
 
@@ -386,6 +388,14 @@ class VllmTurns:
                 continue
             c = o.outputs[0]
             toks = list(c.token_ids)
-            lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [], strict=False)]
-            got.append((self.open.pop(o.request_id), toks, lps + [0.0] * (len(toks) - len(lps))))
+            if len(c.logprobs or []) != len(toks):
+                raise DataError(f"vLLM returned {len(c.logprobs or [])} log-probabilities for a turn of {len(toks)} tokens")
+            got.append((self.open.pop(o.request_id), toks, [d[t].logprob for t, d in zip(toks, c.logprobs, strict=True)]))
         return got
+
+    def abort(self) -> None:
+        """Drop every request still in the engine (an agent loop that failed midway), so later
+        generates start from an empty batch."""
+        if self.open:
+            self.engine.abort_request(list(self.open))
+            self.open = {}

@@ -116,7 +116,7 @@ def test_the_planner_prices_turns_observations_and_the_environment():
     # a chain of three 2-second environment steps is on the critical path
     assert t[2] - t[1] >= 3 * 2 - 1e-6
     gen = slow.roles["actor"].phases["generate"]
-    assert gen.env_workers > 1 and one.roles["actor"].phases["generate"].env_workers == 1
+    assert gen.env_workers > 1 and one.roles["actor"].phases["generate"].env_workers == 0  # no latency: no opinion
     line = next(x for x in slow.why if x.startswith("Multi-turn"))
     assert (
         "3 policy turns per trajectory" in line
@@ -133,4 +133,4 @@ def test_the_environment_pool_is_sized_to_keep_up_with_the_engine():
     assert env_workers_for(d, 100, gen_s=10.0) == 10  # 100 s of environment work over 10 s of generation
     assert env_workers_for(d, 100, gen_s=1000.0) == 1
     assert env_workers_for(d, 4, gen_s=0.1) == 4  # never more than one per trajectory
-    assert env_workers_for(Demand(100, 8, 20, 10.0, turns=2.0), 100, gen_s=1.0) == 1
+    assert env_workers_for(Demand(100, 8, 20, 10.0, turns=2.0), 100, gen_s=1.0) == 0  # no latency given: the config's

@@ -47,6 +47,9 @@ class Script:
     def pending(self) -> int:
         return len(self.queue)
 
+    def abort(self) -> None:
+        self.queue = []
+
     def advance(self):
         out = []
         for key, _tokens, limit, _ in self.queue:
@@ -114,7 +117,7 @@ def _run(cls, turns, *, rows=("p1", "p2"), n=1, budget=24, max_turns=4, timeout_
             max_turns=max_turns,
             budget=budget,
             turn_tokens=8,
-            eos_id=EOS,
+            eos_ids=(EOS,),
             pad_id=PAD,
             seed_of=lambda row, j, turn: 1000 * row + 10 * j + turn,
             row_offset=0,

@@ -196,3 +196,22 @@ def test_value_clip_by_hand():
 def test_ops_are_traced_as_single_nodes_only_under_tracing():
     # called eagerly they compute; the decorator adds no node outside a trace
     assert fc.ops.masked_sum(torch.ones(2, 2), torch.ones(2, 2)).item() == 4
+
+
+def test_returns_and_gae_carry_credit_across_a_trajectorys_observations():
+    """A multi-turn trajectory's mask has holes where the environment's tokens are: the reward at
+    the end reaches the first turn's tokens, and GAE bootstraps from the next *policy* token."""
+    mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 0]]).bool()  # turn 1, an observation, turn 2, padding
+    r = torch.zeros(1, 8)
+    r[0, 6] = 1.0
+    assert fc.ops.discounted_returns(r, mask, gamma=0.5).tolist() == [[0.0625, 0.125, 0.25, 0, 0, 0.5, 1.0, 0]]
+    values = torch.tensor([[0.1, 0.2, 0.3, 9.0, 9.0, 0.4, 0.5, 9.0]])  # the observations' values never count
+    adv, ret = fc.ops.gae(r, values, mask, gamma=1.0, lam=1.0)
+    assert adv[0].tolist() == pytest.approx([0.9, 0.8, 0.7, 0, 0, 0.6, 0.5, 0])
+    assert ret[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 0, 0, 1.0, 1.0, 0])
+    # the same numbers as the policy's tokens packed together
+    packed = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0]]).bool()
+    rp, vp = torch.tensor([[0, 0, 0, 0, 1.0, 0, 0, 0]]), torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0, 0, 0]])
+    ap, _ = fc.ops.gae(rp, vp, packed, gamma=0.9, lam=0.8)
+    a2, _ = fc.ops.gae(r, values, mask, gamma=0.9, lam=0.8)
+    assert a2[mask].tolist() == pytest.approx(ap[packed].tolist())
