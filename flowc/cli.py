@@ -107,7 +107,7 @@ WorkloadOpt = Annotated[
     typer.Option(
         "--workload",
         "-w",
-        help="k=v,…: prompts, prompt_len, response_len, mean_response_len, mini_batches, epochs, train_micro_batch, forward_micro_batch.",
+        help="k=v,…: prompts, prompt_len, response_len, mean_response_len, mini_batches, epochs, train_micro_batch, forward_micro_batch; multi-turn: turns, obs_len, env_latency_s.",
     ),
 ]
 PinOpt = Annotated[

@@ -29,6 +29,7 @@ past ``env_timeout_s`` ends that trajectory with ``env_error_reward``, never the
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 from flowc.errors import SpecError
@@ -84,3 +85,37 @@ def bind_envs(g: Any, given: dict[str, str], default: tuple[type, str] | None, c
             role, cls, name, workers=cfg.env_workers, timeout_s=cfg.env_timeout_s, error_reward=cfg.env_error_reward
         )
     return out
+
+
+def check_envs(envs: dict[str, Any], rows: list[dict[str, Any]], prompt_key: str, tokenizer: str) -> None:
+    """Before the first step: every stop string is one token of the policy's tokenizer, and each
+    environment starts in its process and resets from the first data row as the protocol says (a
+    class that fails there would end every trajectory of every step)."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from flowc.runtime.agent import stop_token_ids
+    from flowc.runtime.envs import EnvPool
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    record = {"prompt": rows[0][prompt_key], **rows[0]} if rows else {"prompt": ""}
+    for role, b in envs.items():
+        stop_token_ids(tok, b.stop, f"environment {role} ({b.name})")
+        pool = EnvPool(dataclasses.replace(b, workers=1))
+        try:
+            pool.submit(0, "reset", record)
+            end = time.monotonic() + b.timeout_s + 5
+            got = []
+            while not got and time.monotonic() < end:
+                got = pool.poll(0.5)
+            pool.submit(0, "close")
+        finally:
+            pool.close()
+        if not got or got[0][2] != "ok":
+            why = "it did not answer" if not got else f"{got[0][2]}: {got[0][3]}"
+            raise SpecError(
+                f"environment {role} ({b.name}) failed to reset from the first data row: {why}",
+                fix="reset(record) gets the prompt's data row (record['prompt'] and every column) and returns the "
+                "first observation, a str (docs/agents.md)",
+            )

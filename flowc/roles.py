@@ -138,7 +138,7 @@ class Policy(Role):
             if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
                 raise SignatureError(
                     f"{self.name}.generate(max_turns={max_turns!r}): max_turns must be a positive integer known when the flow is traced",
-                    fix="use a literal or a hyperparameter, e.g. max_turns=3",
+                    fix="pass a positive integer (a literal or a hyperparameter whose value is one, e.g. max_turns=3)",
                 )
             agent = {"env": env.name, **({"max_turns": max_turns} if max_turns is not None else {})}
         elif max_turns is not None:

@@ -138,13 +138,14 @@ def resume_request(run_dir: str, given: dict[str, Any], *, override: bool) -> Ru
     from flowc.loader import load_flow
 
     rec = RunRecord.read(Path(run_dir))
-    wrong = rec.contradictions(given) + rec.changed_inputs()
-    if wrong and not override:
-        raise SpecError(
-            f"this command contradicts the run in {run_dir}: " + "; ".join(wrong),
-            fix=f"continue it as it was: flowc run --resume {run_dir} (add --steps N to change its length), "
-            "or pass --override to change it",
+    flags, files = rec.contradictions(given), rec.changed_inputs()
+    if (flags or files) and not override:
+        fix = (
+            f"continue it as it was: flowc run --resume {run_dir} (add --steps N to change its length), or pass --override to change it"
+            if flags
+            else "restore the file as it was, or pass --override to continue with it as it is now"
         )
+        raise SpecError(f"this command contradicts the run in {run_dir}: " + "; ".join(flags + files), fix=fix)
     have = rec.options()
     changed = {k: v for k, v in given.items() if v is not None and v != have[k]}
     rec = rec.resumed(changed)
@@ -207,7 +208,7 @@ def prepare(req: RunRequest, *, dry_run: bool = False) -> Prepared:
 
 
 def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_run: bool = False) -> Prepared:
-    from flowc.envs import bind_envs
+    from flowc.envs import bind_envs, check_envs
     from flowc.inputs import check_data, load_data, model_sources
     from flowc.rewards import bind_rewards, reward_notes
     from flowc.runtime.controller import RunSpec
@@ -228,6 +229,8 @@ def _prepare(req: RunRequest, g: FlowGraph, out: Path, models_dir: Path, *, dry_
         print(f"note: {line}", file=sys.stderr)
     plan, address, own = _plan(req, g, sources, out, task.workload if task else USER_WORKLOAD)
     check_data(g, [data, eval_data], tokenizer, plan.workload, rewards, names)  # every row, before the first step
+    if envs and not dry_run:
+        check_envs(envs, data.rows, data.prompt_key, tokenizer)  # stop strings, and a reset from the first row
     if not dry_run:
         _check_space(out, plan, req.config.keep_checkpoints)
     program, cfg = lower(plan, here=address is None), _config(req, task)
@@ -378,8 +381,9 @@ def _note_env_errors(m: dict[str, Any], seen: set[str]) -> None:
         key = ":".join(kind)
         if key not in seen:
             seen.add(key)
+            counter = {"error": "env_errors", "timeout": "env_timeouts", "lost": "env_lost"}.get(kind[0].strip(), "env_errors")
             print(
-                f"note: step {m['step']}: an environment ended a trajectory — {e[:300]} (agent/env_errors counts them)",
+                f"note: step {m['step']}: an environment ended a trajectory — {e[:300]} (agent/{counter} counts them)",
                 file=sys.stderr,
             )
 

@@ -135,6 +135,4 @@ def run_python(
         why = "memory" if b"MemoryError" in err else "error"
     if len(out) > max_output or len(err) > max_output:
         why = why or "output"
-    return SandboxResult(
-        out[:max_output].decode("utf-8", "replace"), err[:max_output].decode("utf-8", "replace"), rc, why
-    )
+    return SandboxResult(out[:max_output].decode("utf-8", "replace"), err[:max_output].decode("utf-8", "replace"), rc, why)

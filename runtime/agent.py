@@ -100,7 +100,7 @@ class AgentResult:
     rollout: Rollout
     texts: list[str]
     metrics: dict[str, float]
-    errors: list[str]  # "kind: message" of each trajectory its environment ended
+    errors: list[str]  # "kind: message": the first trajectory its environment ended, of each kind
 
 
 def run_agents(
@@ -147,6 +147,15 @@ def run_agents(
 
     def observe(t: Trajectory, obs: str) -> None:
         ids = tok(obs, add_special_tokens=False)["input_ids"] if obs else []
+        back = tok.decode(ids, skip_special_tokens=False) if ids else ""
+        if "".join(back.split()) != "".join(obs.split()):  # the tokenizer dropped or changed characters
+            t.error, t.message = (
+                "error",
+                f"the tokenizer cannot encode the observation {obs[:80]!r} (it reads back as {back[:80]!r})",
+            )
+            t.reward = binding.error_reward
+            finish(t)
+            return
         room = budget - len(t.tokens)
         if len(ids) >= room:  # nothing left for the policy after it
             t.tokens += ids[:room]
@@ -256,6 +265,7 @@ def _assemble(
     )
     texts = [tok.decode(t.tokens, skip_special_tokens=True) for t in trajs]
     m: dict[str, float] = {
+        "trajectories": float(N),
         "turns": sum(t.turns for t in trajs) / max(N, 1),
         "env_errors": float(sum(t.error == "error" for t in trajs)),
         "env_timeouts": float(sum(t.error == "timeout" for t in trajs)),
@@ -270,4 +280,8 @@ def _assemble(
     keys = sorted({k for t in trajs for k in t.info})
     for k in keys:
         m[f"info/{k}"] = sum(t.info.get(k, 0.0) for t in trajs) / max(N, 1)
-    return AgentResult(rollout, texts, m, [f"{t.error}: {t.message}" for t in trajs if t.error])
+    first: dict[str, str] = {}
+    for t in trajs:  # the first message of each kind of error
+        if t.error and t.error not in first:
+            first[t.error] = f"{t.error}: {t.message}"
+    return AgentResult(rollout, texts, m, list(first.values()))

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 import torch
 
-from flowc.errors import RuntimeFailure, SpecError
+from flowc.errors import DataError, RuntimeFailure, SpecError
 from flowc.ir.functional import DEFAULT_KL_KIND, varied_groups
 from flowc.ir.graph import Node, ValueRef
 from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
@@ -78,6 +78,19 @@ class RunSpec:
     out_dir: Path = Path("runs/run")
     envs: dict[str, EnvBinding] = field(default_factory=dict)  # Environment role → its class, bound
     executor: Executor = "ray"  # where the workers run: Ray actors, or in this process (runtime.inline)
+
+
+def check_environments(m: dict[str, Any], step: int) -> None:
+    """A step whose every trajectory its environment ended (an error, a timeout, or the process of
+    one) trains on nothing but error rewards: that is a broken environment, not bad luck — stop."""
+    n = m.get("agent/trajectories", 0)
+    failed = m.get("agent/env_errors", 0) + m.get("agent/env_timeouts", 0) + m.get("agent/env_lost", 0)
+    if n and failed >= n:
+        first = "; ".join(m.get("agent/errors") or []) or "no message"
+        raise DataError(
+            f"step {step + 1}: the environment ended all {int(n)} trajectories before they finished ({first})",
+            fix="fix the environment class (its protocol: docs/agents.md), or raise env_timeout_s if it is only slow",
+        )
 
 
 def _replica_args(args: dict[str, Any], rows: tuple[int, int]) -> dict[str, Any]:
@@ -307,6 +320,7 @@ class Controller:
             else:
                 self._exec(st, it)
         m = step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
+        check_environments(m, step)
         self._check_lag(step, it, m)
         if (
             self._ahead.ran_ahead

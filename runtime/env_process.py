@@ -11,13 +11,15 @@ holds one instance of the user's environment class per live trajectory; requests
 * ``("close", tid)`` → drops the instance;
 
 and the answer to one that raises is ``("error", "Type: message")`` — the trajectory's end,
-never the run's.
+never the run's. Each answer's value comes with the seconds the environment took for it.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import time
 from typing import Any
 
 _LIVE: dict[int, Any] = {}
@@ -44,19 +46,31 @@ def step_result(value: Any, where: str) -> tuple[str, float, bool, dict[str, flo
         obs = ""
     if not isinstance(obs, str):
         raise TypeError(f"{where}.step() returned an observation of type {type(obs).__name__}, expected str")
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(float(reward)):
-        raise TypeError(f"{where}.step() returned reward {reward!r}, expected a finite number")
+    if not _number(reward) or not math.isfinite(float(reward)):
+        raise TypeError(f"{where}.step() returned reward {reward!r} ({type(reward).__name__}), expected a finite number")
+    if not (isinstance(done, bool) or getattr(getattr(done, "dtype", None), "kind", "") == "b"):
+        raise TypeError(f"{where}.step() returned done {done!r} ({type(done).__name__}), expected a bool")
     info = rest[0] if rest else {}
     if info is None:
         info = {}
-    if not isinstance(info, dict) or not all(
-        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) for k, v in info.items()
-    ):
+    if not isinstance(info, dict) or not all(isinstance(k, str) and _number(v) for k, v in info.items()):
         raise TypeError(f"{where}.step() returned info {info!r}, expected a dict of str to numbers (averaged into metrics)")
     return obs, float(reward), bool(done), {k: float(v) for k, v in info.items()}
 
 
+def _number(x: Any) -> bool:
+    """A real number, Python's or NumPy's (``np.float32``, ``np.int64``), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and getattr(getattr(x, "dtype", None), "kind", "") != "b"
+
+
 def answer(payload: tuple[Any, dict[str, Any], str], msg: tuple) -> tuple[str, Any]:
+    """``(kind, (value, seconds))``: the answer to ``msg`` and the time the environment took for it."""
+    t0 = time.perf_counter()
+    kind, value = _answer(payload, msg)
+    return kind, (value, time.perf_counter() - t0)
+
+
+def _answer(payload: tuple[Any, dict[str, Any], str], msg: tuple) -> tuple[str, Any]:
     cls, kwargs, name = payload
     op, *args = msg
     try:

@@ -121,6 +121,7 @@ class EnvPool:
         if kind != "ok":
             proc.kill()
             raise SpecError(f"environment {self.b.role} ({self.b.name}) could not be loaded in its process: {value}")
+        # (the "ready" answer comes from the server loop itself, without a time)
         return _Worker(proc)
 
     def _of(self, tid: int) -> _Worker:
@@ -182,8 +183,9 @@ class EnvPool:
                         out += self._restart(i, "lost", "its process died")
                         w = self.workers[i]
                         continue
-                    w.seconds += time.monotonic() - w.started
                     w.busy = None
+                    value, took = value
+                    w.seconds += took  # the environment's own time, however late the loop collects the answer
                     if msg[0] != "close":
                         out.append((tid, msg[0], kind, value))
                     self._next(w)
@@ -207,7 +209,7 @@ class EnvPool:
             (t, op, "lost", f"its environment process was restarted ({why} for another trajectory)") for t, op in waiting.items()
         ]
         fresh = self._start()
-        fresh.seconds = w.seconds
+        fresh.seconds = w.seconds + (time.monotonic() - w.started)  # the request it gave up on kept it busy
         fresh.lost = (w.live | w.lost) - {tid} - set(waiting)
         self.workers[i] = fresh
         return out

@@ -88,7 +88,7 @@ class StepTally:
 
 # an agent rollout's per-replica figures: summed over replicas (counts, the environments' time),
 # the longest (wall time), or averaged over trajectories (the rest)
-_AGENT_SUMS = ("env_errors", "env_timeouts", "env_lost", "policy_tokens", "env_tokens", "env_seconds")
+_AGENT_SUMS = ("trajectories", "env_errors", "env_timeouts", "env_lost", "policy_tokens", "env_tokens", "env_seconds")
 
 
 def agent_metrics(got: list[dict[str, Any]], trajectories: int) -> dict[str, Any]:

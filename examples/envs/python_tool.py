@@ -11,7 +11,9 @@ The format is Qwen2.5's tool calling: the policy's turn ends with ``</tool_call>
 Qwen2.5's tokenizer, so a valid stop string) around ``{"name": "python", "arguments": {"code":
 "…"}}``; the observation closes the assistant's message, wraps the output in a ``user`` message's
 ``<tool_response>`` as Qwen's chat template does, and opens the next assistant message. A turn with
-no tool call is the final answer, scored against the data's ``answer`` column.
+no tool call is the final answer, scored against the data's ``answer`` column. The prompts (a
+system message) should describe the tool: ``python`` takes ``code`` and returns what it prints
+(flowc does not yet pass a tool schema to the chat template).
 """
 
 from __future__ import annotations
@@ -21,15 +23,6 @@ from typing import ClassVar
 
 import flowc as fc
 from flowc.sandbox import run_python
-
-TOOL_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run Python 3 code and return what it prints (2 s of CPU, 512 MB, no network).",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-    },
-}
 
 
 class PythonTool(fc.envs.Env):

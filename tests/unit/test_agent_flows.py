@@ -134,3 +134,27 @@ def test_the_environment_pool_is_sized_to_keep_up_with_the_engine():
     assert env_workers_for(d, 100, gen_s=1000.0) == 1
     assert env_workers_for(d, 4, gen_s=0.1) == 4  # never more than one per trajectory
     assert env_workers_for(Demand(100, 8, 20, 10.0, turns=2.0), 100, gen_s=1.0) == 0  # no latency given: the config's
+
+
+def test_a_run_checks_its_environment_before_the_first_step(tmp_path):
+    """A class whose reset fails, or whose stop string is not one token, is refused when the run is
+    prepared — not discovered as every trajectory of every step failing."""
+    from flowc.envs import check_envs
+    from flowc.errors import SpecError
+    from flowc.runtime.envs import bind_class
+    from flowc.tasks.calculator import Calculator, asset_dir
+
+    class Broken(Calculator):
+        def reset(self, record):
+            return record["missing"]
+
+    class LongStop(Calculator):
+        stop = ("*)",)
+
+    rows = [{"prompt": "12*34=", "answer": "408"}]
+    tok = str(asset_dir())
+    check_envs({"calc": bind_class("calc", Calculator, "C", workers=1, timeout_s=5, error_reward=0)}, rows, "prompt", tok)
+    with pytest.raises(SpecError, match="failed to reset from the first data row: error: KeyError: 'missing'"):
+        check_envs({"calc": bind_class("calc", Broken, "B", workers=1, timeout_s=5, error_reward=0)}, rows, "prompt", tok)
+    with pytest.raises(SpecError, match=r"stop string '\*\)' is 2 tokens"):
+        check_envs({"calc": bind_class("calc", LongStop, "L", workers=1, timeout_s=5, error_reward=0)}, rows, "prompt", tok)
