@@ -423,12 +423,14 @@ def report(
     output: Annotated[str | None, typer.Option("--output", "-o", help="PNG path (default RUN_DIR/report.png).")] = None,
 ) -> None:
     """Draw a run's curves (reward, accuracy, KL, predicted vs measured time per op; for a pipelined
-    run its staleness, importance ratios and pools) to PNG, and print the pipeline's figures."""
-    from flowc.report import draw, pipeline_summary
+    run its staleness, importance ratios and pools; for a multi-turn run its turns, tool use and
+    environment errors) to PNG, and print the pipeline's and the agents' figures."""
+    from flowc.report import agent_summary, draw, pipeline_summary
 
     path = draw(run_dir, output)
-    if summary := pipeline_summary(run_dir):
-        typer.echo(summary)
+    for summary in (pipeline_summary(run_dir), agent_summary(run_dir)):
+        if summary:
+            typer.echo(summary)
     typer.echo(f"wrote {path}")
 
 

@@ -56,7 +56,9 @@ def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:
     steps = [r for r in rows if "reward" in r]
     timed_steps = [r for r in rows if "step_s" in r]
     pipeline = _has_pipeline(timed_steps)
-    fig, axes = plt.subplots(3 if pipeline else 2, 2, figsize=(12, 12 if pipeline else 8))
+    agent = _has_agents(rows)
+    n_rows = 2 + pipeline + agent
+    fig, axes = plt.subplots(n_rows, 2, figsize=(12, 4 * n_rows))
     ax = axes[0][0]
     if steps:
         x = [r["step"] for r in steps]
@@ -70,7 +72,7 @@ def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:
             ax.plot(x, [r.get("accuracy") for r in steps], label="training accuracy", alpha=0.7)
     ax.set_title("reward")
     ax.set_xlabel("step")
-    ax.legend()
+    _legend(ax)
     ax = axes[0][1]
     ev = [r for r in rows if "eval/accuracy" in r]
     if ev:
@@ -88,7 +90,7 @@ def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:
         ax2.set_ylabel("policy loss")
     ax.set_title("KL and loss")
     ax.set_xlabel("step")
-    ax.legend(loc="upper left")
+    _legend(ax, loc="upper left")
     ax = axes[1][1]
     timed = [r for r in steps if r.get("measured_s")]
     if timed:
@@ -102,9 +104,11 @@ def draw(run_dir: str | Path, output: str | Path | None = None) -> Path:
         ax.set_yscale("log")
     ax.set_title("seconds per op: measured (lines) vs predicted (dashed)")
     ax.set_xlabel("step")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     if pipeline:
         _draw_pipeline(axes[2], timed_steps)
+    if agent:
+        _draw_agents(axes[n_rows - 1], rows)
     fig.suptitle(f"flowc run {Path(run_dir).name}")
     fig.tight_layout()
     out = Path(output) if output else Path(run_dir) / "report.png"
@@ -203,4 +207,88 @@ def _draw_pipeline(axes: Any, rows: list[dict[str, Any]]) -> None:
     ax.plot([r["step"] for r in rows], [r["step_s"] for r in rows], color="black", alpha=0.5, label="step")
     ax.set_title("pool busy s/step: measured (lines) vs predicted (dashed)")
     ax.set_xlabel("step")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
+
+
+# --------------------------------------------------------------- agent rollouts
+def _has_agents(rows: list[dict[str, Any]]) -> bool:
+    """A run of a multi-turn flow (its steps report ``agent/…``)."""
+    return any("agent/turns" in r for r in rows)
+
+
+def _draw_agents(axes: Any, rows: list[dict[str, Any]]) -> None:
+    """Turns and what the environment's ``info`` reported, in training and held out; and how
+    trajectories ended early (errors, timeouts, lost, truncated)."""
+    train = [r for r in rows if "agent/turns" in r]
+    ev = [r for r in rows if "eval/agent/turns" in r]
+    ax = axes[0]
+    ax.plot([r["step"] for r in train], [r["agent/turns"] for r in train], label="turns per trajectory", color="black")
+    infos = sorted({k for r in train for k in r if k.startswith("agent/info/")})
+    for i, k in enumerate(infos):
+        ax.plot([r["step"] for r in train], [r.get(k) for r in train], color=f"C{i}", label=k.removeprefix("agent/"))
+        if any("eval/" + k in r for r in ev):
+            ax.plot(
+                [r["step"] for r in ev],
+                [r.get("eval/" + k) for r in ev],
+                color=f"C{i}",
+                marker="o",
+                linestyle="--",
+                label=f"held out {k.removeprefix('agent/info/')}",
+            )
+    ax.set_title("agent: turns and the environment's info (mean per trajectory)")
+    ax.set_xlabel("step")
+    _legend(ax, fontsize=7)
+    ax = axes[1]
+    for i, (k, label) in enumerate(
+        (("agent/env_errors", "errors"), ("agent/env_timeouts", "timeouts"), ("agent/env_lost", "lost"))
+    ):
+        ax.plot([r["step"] for r in train], [r.get(k, 0.0) for r in train], color=f"C{i + 3}", label=f"{label} (trajectories)")
+    ax2 = ax.twinx()
+    ax2.plot(
+        [r["step"] for r in train],
+        [r.get("agent/truncated", 0.0) for r in train],
+        color="gray",
+        alpha=0.6,
+        label="truncated (share)",
+    )
+    ax2.set_ylabel("truncated share")
+    ax.set_title("agent: trajectories the environment or the budget ended")
+    ax.set_xlabel("step")
+    _legend(ax, loc="upper left", fontsize=7)
+    _legend(ax2, loc="upper right", fontsize=7)
+
+
+def agent_summary(run_dir: str | Path) -> str:
+    """A multi-turn run's figures in text: turns and the environment's info at its first and last
+    step (and held out), trajectories ended by errors, timeouts or a lost process, and the
+    environments' share of the rollout's time. Empty for a run without an environment."""
+    rows = load_metrics(run_dir)
+    if not _has_agents(rows):
+        return ""
+    train = [r for r in rows if "agent/turns" in r]
+    first, last = train[0], train[-1]
+    lines = [f"agent (step {first['step']} → {last['step']}):"]
+    keys = ["agent/turns", *sorted(k for k in last if k.startswith("agent/info/"))]
+    lines += [f"  {k.removeprefix('agent/')}: {first.get(k, 0.0):.3g} → {last.get(k, 0.0):.3g}" for k in keys]
+    ev = [r for r in rows if "eval/agent/turns" in r]
+    if ev:
+        lines.append(
+            f"  held out ({ev[0]['step']} → {ev[-1]['step']}): accuracy {ev[0].get('eval/accuracy', 0):.3g} → {ev[-1].get('eval/accuracy', 0):.3g}"
+        )
+    ended = {k: sum(r.get(f"agent/{k}", 0.0) for r in train) for k in ("env_errors", "env_timeouts", "env_lost")}
+    total = sum(r.get("agent/trajectories", 0.0) for r in train)
+    lines.append(
+        f"  trajectories ended by their environment: {int(ended['env_errors'])} errors, {int(ended['env_timeouts'])} timeouts, "
+        f"{int(ended['env_lost'])} lost of {int(total)}"
+    )
+    env_s = sum(r.get("agent/env_seconds", 0.0) for r in train)
+    roll_s = sum(r.get("agent/seconds", 0.0) for r in train)
+    if roll_s > 0:
+        lines.append(f"  environments busy {env_s:.3g} s (summed over processes) in {roll_s:.3g} s of rollouts")
+    return "\n".join(lines)
+
+
+def _legend(ax: Any, **kw: Any) -> None:
+    """A legend, when the axes hold something labelled (matplotlib warns otherwise)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kw)

@@ -69,3 +69,37 @@ def test_a_lock_step_run_has_no_summary_and_two_rows(tmp_path):
     import matplotlib.image as mpimg
 
     assert mpimg.imread(draw(tmp_path)).shape[0] == 800
+
+
+def test_report_prints_and_draws_an_agent_runs_turns_tool_use_and_errors(tmp_path):
+    import matplotlib.image as mpimg
+
+    from flowc.report import agent_summary
+
+    rows = [{"step": 0, "eval/accuracy": 0.1, "eval/agent/turns": 1.1, "eval/agent/info/tool_calls": 0.1}]
+    for s in range(1, 5):
+        rows.append(
+            {
+                "step": s,
+                "step_s": 0.5,
+                "reward": 0.2 * s,
+                "agent/trajectories": 8.0,
+                "agent/turns": 1.0 + 0.25 * s,
+                "agent/info/tool_calls": 0.25 * s,
+                "agent/env_errors": 1.0 if s == 2 else 0.0,
+                "agent/env_timeouts": 0.0,
+                "agent/env_lost": 2.0 if s == 3 else 0.0,
+                "agent/truncated": 0.125,
+                "agent/seconds": 0.4,
+                "agent/env_seconds": 0.1,
+            }
+        )
+    rows.append({"step": 4, "eval/accuracy": 0.9, "eval/agent/turns": 2.0, "eval/agent/info/tool_calls": 1.0})
+    _write(tmp_path, rows)
+    text = agent_summary(tmp_path)
+    assert "turns: 1.25 → 2" in text and "info/tool_calls: 0.25 → 1" in text
+    assert "held out (0 → 4): accuracy 0.1 → 0.9" in text
+    assert "1 errors, 0 timeouts, 2 lost of 32" in text and "busy 0.4 s (summed over processes) in 1.6 s" in text
+    assert mpimg.imread(draw(tmp_path)).shape[0] == 1200  # a third row of plots
+    _write(tmp_path, rows[1:2] and [{"step": 1, "reward": 0.0, "step_s": 0.1}])
+    assert agent_summary(tmp_path) == ""
