@@ -102,6 +102,8 @@ def check_envs(envs: dict[str, Any], rows: list[dict[str, Any]], prompt_key: str
     record = {"prompt": rows[0][prompt_key], **rows[0]} if rows else {"prompt": ""}
     for role, b in envs.items():
         stop_token_ids(tok, b.stop, f"environment {role} ({b.name})")
+        if b.harness:  # an agent harness runs against the engine's endpoint: nothing to try without it
+            continue
         pool = EnvPool(dataclasses.replace(b, workers=1))
         try:
             pool.submit(0, "reset", record)

@@ -103,28 +103,35 @@ class AgentResult:
     errors: list[str]  # "kind: message": the first trajectory its environment ended, of each kind
 
 
-def run_agents(
-    engine: TurnEngine,
-    pool: EnvPool,
-    binding: EnvBinding,
-    tok: Any,
-    prompts: PromptBatch,
-    records: list[dict[str, Any]],
-    *,
-    n: int,
-    max_turns: int,
-    budget: int,
-    turn_tokens: int,
-    eos_ids: Sequence[int],
-    pad_id: int,
-    seed_of: Callable[[int, int, int], int],
-    row_offset: int,
-    first_tid: int,
-    lockstep: bool = False,
-) -> AgentResult:
-    """Run ``n`` trajectories per prompt row to their ends; returns them as one rollout of
-    ``rows·n`` sequences whose response is ``budget`` tokens wide. ``seed_of(row, sample, turn)``
-    gives each turn's seed (``row``: the global prompt row)."""
+@dataclass(frozen=True)
+class AgentJob:
+    """One agent rollout: ``n`` trajectories for each prompt row (``records``: their data rows),
+    ``budget`` tokens per trajectory after its prompt, ``turn_tokens`` per policy turn, at most
+    ``max_turns`` turns; the ids that end a turn (EOS first, then the model's other end-of-sequence
+    ids; ``stop_ids``: the environment's stop tokens); ``seed_of(row, sample, turn)`` each turn's
+    seed (``row``: the global prompt row, from ``row_offset``); trajectory ids from ``first_tid``."""
+
+    tok: Any
+    prompts: PromptBatch
+    records: list[dict[str, Any]]
+    n: int
+    max_turns: int
+    budget: int
+    turn_tokens: int
+    eos_ids: Sequence[int]
+    pad_id: int
+    seed_of: Callable[[int, int, int], int]
+    row_offset: int = 0
+    first_tid: int = 0
+    stop_ids: Sequence[int] = ()
+
+
+def run_agents(engine: TurnEngine, pool: EnvPool, binding: EnvBinding, job: AgentJob, *, lockstep: bool = False) -> AgentResult:
+    """Run the job's trajectories to their ends; returns them as one rollout of ``rows·n``
+    sequences whose response is ``budget`` tokens wide."""
+    tok, prompts, records, n, max_turns, budget = job.tok, job.prompts, job.records, job.n, job.max_turns, job.budget
+    turn_tokens, eos_ids, pad_id, seed_of = job.turn_tokens, job.eos_ids, job.pad_id, job.seed_of
+    row_offset, first_tid = job.row_offset, job.first_tid
     lockstep = lockstep or bool(getattr(engine, "lockstep", False))
     rows = prompts.input_ids.shape[0]
     if len(records) != rows:
@@ -285,3 +292,140 @@ def _assemble(
         if t.error and t.error not in first:
             first[t.error] = f"{t.error}: {t.message}"
     return AgentResult(rollout, texts, m, list(first.values()))
+
+
+# ----------------------------------------------------------------- server mode
+def run_harnesses(engine: TurnEngine, pool: Any, server: Any, binding: EnvBinding, job: AgentJob) -> AgentResult:
+    """The job's trajectories, each driven by the user's harness (``run(record, base_url)`` in a
+    :class:`~flowc.runtime.envs.HarnessPool`) through ``server`` (:mod:`flowc.runtime.serve`): the
+    loop answers the harnesses' requests with the engine and records every token served. A
+    trajectory's prompt is its first request's; the job's prompts (flowc's own tokenization of the
+    data's prompts) stand in for one that made no request."""
+    from flowc.runtime.serve import Refused, completion, error, max_tokens_of
+
+    tok, prompts, records, n, max_turns, budget = job.tok, job.prompts, job.records, job.n, job.max_turns, job.budget
+    turn_tokens, eos_ids, pad_id, seed_of = job.turn_tokens, job.eos_ids, job.pad_id, job.seed_of
+    row_offset, first_tid, stop_ids = job.row_offset, job.first_tid, job.stop_ids
+
+    rows = prompts.input_ids.shape[0]
+    t0, env0 = time.perf_counter(), pool.seconds()
+    width = prompts.input_ids.shape[1]
+    trajs: dict[int, Trajectory] = {}
+    started: dict[int, bool] = {}
+    texts: dict[int, str] = {}
+    for i in range(rows):
+        ids = prompts.input_ids[i][prompts.attention_mask[i].bool()].tolist()
+        for j in range(n):
+            t = Trajectory(first_tid + i * n + j, i * n + j, row_offset + i, j, ids)
+            trajs[t.tid] = t
+            pool.submit(t.tid, records[i], server.base_url(t.tid))
+    eos_text = [tok.decode([e], skip_special_tokens=False) for e in eos_ids]
+    ends = set(eos_ids) | set(stop_ids)
+    open_: dict[int, tuple[Any, Trajectory, list[int]]] = {}
+    keys = 0
+
+    def append(t: Trajectory, ids: list[int], policy: bool, lps: list[float] | None = None) -> None:
+        t.tokens += ids
+        t.policy += [policy] * len(ids)
+        t.logprobs += lps if lps is not None else [0.0] * len(ids)
+
+    def extend(t: Trajectory, req: Any) -> list[int]:
+        """The engine's prompt for ``req``: the trajectory so far and what the request adds."""
+        from flowc.runtime.serve import render
+
+        text, ids = render(tok, req)
+        if not started.get(t.tid):
+            if ids is None:
+                ids = tok(text, add_special_tokens=req.kind == "completions")["input_ids"]
+            if len(ids) > width:
+                raise Refused(f"the prompt is {len(ids)} tokens, longer than the workload's prompt_len {width}")
+            t.prompt, started[t.tid] = list(ids), True
+            texts[t.tid] = text if text is not None else tok.decode(ids, skip_special_tokens=False)
+            return list(ids)
+        full = t.prompt + t.tokens
+        if ids is not None:
+            if ids[: len(full)] != full:
+                raise Refused(
+                    f"the prompt's token ids do not start with the {len(full)} tokens served so far for this trajectory"
+                )
+            new, delta = ids[len(full) :], None
+        else:
+            served = texts[t.tid]
+            heads = [served] + [served[: -len(e)] for e in eos_text if e and served.endswith(e)]
+            head = next((h for h in heads if text.startswith(h)), None)
+            if head is None:
+                k = next((i for i, (a, b) in enumerate(zip(served, text, strict=False)) if a != b), min(len(served), len(text)))
+                raise Refused(
+                    f"the request does not extend the conversation served so far for this trajectory (it differs at "
+                    f"character {k}: {text[k : k + 40]!r} where {served[k : k + 40]!r} was served); send the whole "
+                    "conversation as it was answered, or token ids (completions with a list prompt)"
+                )
+            delta = text[len(head) :]
+            new = tok(delta, add_special_tokens=False)["input_ids"] if delta else []
+        room = budget - len(t.tokens)
+        if len(new) > room:
+            new, t.truncated = new[:room], True
+        append(t, list(new), False)
+        texts[t.tid] += delta if delta is not None else tok.decode(list(new), skip_special_tokens=False)
+        return t.prompt + t.tokens
+
+    try:
+        while pool.pending() or open_:
+            arrived = server.take(0.0 if open_ or engine.pending() else 0.01)
+            while arrived and getattr(engine, "lockstep", False):  # a batch engine: take what arrives close together
+                more = server.take(0.005)
+                arrived += more
+                if not more:
+                    break
+            for req in arrived:
+                t = trajs.get(req.tid)
+                if t is None or t.done:
+                    req.answer(400, error(f"trajectory {req.tid} is not running"))
+                    continue
+                try:
+                    ids = extend(t, req)
+                except Refused as e:
+                    req.answer(400, error(str(e)))
+                    continue
+                limit = min(turn_tokens, budget - len(t.tokens), max_tokens_of(req) or turn_tokens)
+                if limit <= 0 or t.turns >= max_turns:  # its budget or turns are spent: an empty turn
+                    t.truncated = t.truncated or limit <= 0
+                    req.answer(200, completion(req, tok, ids, [], [], "length", set(eos_ids)))
+                    continue
+                keys += 1
+                engine.submit(keys, ids, limit, seed_of(t.seed_row, t.sample, t.turns))
+                open_[keys] = (req, t, ids)
+            if engine.pending():
+                for key, got, lps in engine.advance():
+                    req, t, ids = open_.pop(key)
+                    append(t, got, True, lps)
+                    t.turns += 1
+                    texts[t.tid] += tok.decode(got, skip_special_tokens=False)
+                    finish = "stop" if got and got[-1] in ends else "length"
+                    if finish == "length" and len(t.tokens) >= budget:
+                        t.truncated = True
+                    req.answer(200, completion(req, tok, ids, got, lps, finish, set(eos_ids)))
+            for tid, kind, value in pool.poll():
+                t = trajs[tid]
+                t.done = True
+                if kind == "ok":
+                    t.reward, t.info = value
+                elif kind == "lost":
+                    t.error, t.message, t.dropped = kind, str(value), True
+                else:
+                    t.error, t.message, t.reward = kind, str(value), binding.error_reward
+    except BaseException:
+        engine.abort()
+        raise
+    finally:
+        for req in server.take(0.0):  # what arrived after the last harness returned
+            req.answer(400, error(f"trajectory {req.tid} is not running"))
+    prompt_ids = torch.full((len(trajs), width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(trajs), width), dtype=torch.bool)
+    for t in trajs.values():
+        prompt_ids[t.row, width - len(t.prompt) :] = torch.tensor(t.prompt, dtype=torch.long)
+        prompt_mask[t.row, width - len(t.prompt) :] = True
+    served = PromptBatch(prompt_ids, prompt_mask)
+    return _assemble(
+        list(trajs.values()), served, 1, budget, pad_id, tok, binding, time.perf_counter() - t0, pool.seconds() - env0
+    )

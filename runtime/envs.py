@@ -22,6 +22,7 @@ from flowc.errors import SpecError
 from flowc.runtime.reward_process import Crashed, RewardProcess, Timeout
 
 MODULE = "flowc.runtime.env_process"
+HARNESS_MODULE = "flowc.runtime.harness_process"
 
 
 @dataclass(frozen=True)
@@ -47,18 +48,22 @@ class EnvBinding:
     workers: int = 2
     timeout_s: float = 30.0
     error_reward: float = 0.0
+    harness: bool = False  # the class drives the trajectory itself: run(record, base_url) (server mode)
 
 
 def bind_class(
     role: str, cls: Any, name: str, *, workers: int, timeout_s: float, error_reward: float, **kwargs: Any
 ) -> EnvBinding:
-    """Check ``cls`` against the protocol (``reset``, ``step``, ``stop``, ``max_turns``) and bind it."""
-    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    """Check ``cls`` against the protocol — ``reset``, ``step``, ``stop``, ``max_turns``; or, for an
+    agent harness (server mode), ``run`` — and bind it."""
+    harness = isinstance(cls, type) and callable(getattr(cls, "run", None)) and not callable(getattr(cls, "step", None))
+    missing = [] if harness else [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not isinstance(cls, type) or missing:
         raise SpecError(
             f"environment {role} ({name}) is not an environment class"
             + (f": it has no {' or '.join(missing)} method" if isinstance(cls, type) else ""),
-            fix="give a class with reset(record) -> str and step(action) -> (observation, reward, done[, info]) (docs/agents.md)",
+            fix="give a class with reset(record) -> str and step(action) -> (observation, reward, done[, info]), or an "
+            "agent harness with run(record, base_url) -> reward (docs/agents.md)",
         )
     stop = getattr(cls, "stop", ())
     if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
@@ -78,6 +83,7 @@ def bind_class(
         workers=max(1, int(workers)),
         timeout_s=float(timeout_s),
         error_reward=float(error_reward),
+        harness=harness,
     )
 
 
@@ -225,3 +231,79 @@ class EnvPool:
         for w in self.workers:
             w.proc.kill()
         self.workers = []
+
+
+class HarnessPool:
+    """``binding.workers`` processes running agent harnesses (:mod:`flowc.runtime.harness_process`),
+    each many at once; trajectory ``tid`` runs in process ``tid % workers``. A harness past its
+    deadline (``timeout_s`` per turn: ``timeout_s × max_turns``) ends as ``timeout`` (its thread is
+    left to finish; its requests are refused from then on); a process that dies ends its harnesses
+    as ``lost`` and a fresh one takes its place."""
+
+    def __init__(self, binding: EnvBinding) -> None:
+        self.b = binding
+        self.deadline_s = binding.timeout_s * max(1, binding.max_turns)
+        self.procs: list[RewardProcess] = []
+        try:
+            for _ in range(binding.workers):
+                self.procs.append(self._start())
+        except BaseException:
+            self.close()
+            raise
+        self.running: dict[int, float] = {}  # tid → its deadline (time.monotonic)
+
+    def _start(self) -> RewardProcess:
+        proc = RewardProcess(self.b.payload, module=HARNESS_MODULE)
+        try:
+            kind, value = proc.receive(time.monotonic() + 60.0)
+        except (Timeout, Crashed):
+            proc.kill()
+            raise SpecError(f"harness {self.b.role} ({self.b.name}) did not start in its process") from None
+        if kind != "ok":
+            proc.kill()
+            raise SpecError(f"harness {self.b.role} ({self.b.name}) could not be loaded in its process: {value}")
+        return proc
+
+    def submit(self, tid: int, record: dict[str, Any], base_url: str) -> None:
+        self.running[tid] = time.monotonic() + self.deadline_s
+        try:
+            self.procs[tid % len(self.procs)].send("run", tid, record, base_url)
+        except Crashed:
+            pass  # answered "lost" by the next poll
+
+    def pending(self) -> int:
+        return len(self.running)
+
+    def poll(self) -> list[tuple[int, str, Any]]:
+        """Finished harnesses as ``(tid, kind, value)``: ``ok`` (value: (reward, info)), ``error``
+        (its message), ``timeout`` or ``lost``."""
+        out: list[tuple[int, str, Any]] = []
+        for i, proc in enumerate(self.procs):
+            while proc.answered():
+                try:
+                    kind, (tid, value, _) = proc.receive(time.monotonic() + 5.0)
+                except (Timeout, Crashed):
+                    proc.kill()
+                    mine = [t for t in self.running if t % len(self.procs) == i]
+                    out += [(t, "lost", "its harness process died") for t in mine]
+                    for t in mine:
+                        del self.running[t]
+                    self.procs[i] = proc = self._start()
+                    continue
+                if self.running.pop(tid, None) is not None:  # (a harness past its deadline was answered already)
+                    out.append((tid, kind, value))
+        now = time.monotonic()
+        for tid, end in list(self.running.items()):
+            if now > end:
+                del self.running[tid]
+                out.append((tid, "timeout", f"the harness did not return within {self.deadline_s:g} s"))
+        return out
+
+    def seconds(self) -> float:
+        """Not measured: a harness's time is mostly its waits on the engine (0)."""
+        return 0.0
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+        self.procs = []

@@ -178,9 +178,10 @@ def _answer(fns: dict[str, Any], names: dict[str, str], msg: tuple) -> tuple[str
     return "error", f"unknown request {op!r}"
 
 
-def serve(answer: Any) -> None:
-    """A child's main loop: private channels, the payload, then ``answer(payload, request)`` for
-    each request until the parent closes the pipe."""
+def channels() -> tuple[BinaryIO, BinaryIO, Any]:
+    """A child's setup: it dies with its parent; private copies of stdin and stdout carry the
+    requests and answers (fd 0 then reads nothing, fd 1 — print — goes to stderr); the payload,
+    read and acknowledged ("ready"). Returns (requests, answers, payload)."""
     _die_with_parent(int(sys.argv[1]))
     src = os.fdopen(os.dup(0), "rb")  # the requests' channel; fd 0 now reads nothing
     out = os.fdopen(os.dup(1), "wb")  # the answers' channel; fd 1 (print) now goes to stderr
@@ -194,6 +195,13 @@ def serve(answer: Any) -> None:
         _write(out, ("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
     _write(out, ("ok", "ready"))
+    return src, out, payload
+
+
+def serve(answer: Any) -> None:
+    """A child's main loop: :func:`channels`, then ``answer(payload, request)`` for each request
+    until the parent closes the pipe."""
+    src, out, payload = channels()
     while (msg := _read_blocking(src)) is not None:  # None: the parent closed the pipe (it is gone)
         _write(out, answer(payload, msg))
 

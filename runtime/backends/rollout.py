@@ -18,7 +18,7 @@ import torch
 from flowc.errors import SpecError
 from flowc.ir.functional import PromptBatch, Rollout
 from flowc.ir.sampling import SamplingParams
-from flowc.runtime.agent import AgentResult, run_agents, stop_token_ids
+from flowc.runtime.agent import AgentJob, AgentResult, run_agents, run_harnesses, stop_token_ids
 from flowc.runtime.backends import EngineInit, RolloutBackend, built_backend
 from flowc.runtime.batches import repeat_rows
 from flowc.runtime.modeling import rollout_tokenizer
@@ -70,7 +70,8 @@ class RolloutEngine:
         self.b = backend
         self.init = init
         self.tok = rollout_tokenizer(init.tokenizer, backend.vocab_size)
-        self.pools: dict[str, Any] = {}  # environment role → its EnvPool (started on first use)
+        self.pools: dict[str, Any] = {}  # environment role → its EnvPool or HarnessPool (started on first use)
+        self.server: Any = None  # server mode's OpenAI-compatible endpoint (started on first use)
         self._tid = 0  # trajectory ids: unique over the engine's life
 
     @torch.no_grad()
@@ -120,7 +121,7 @@ class RolloutEngine:
         """``n`` multi-turn trajectories per prompt row with the environment ``binding``
         (:mod:`flowc.runtime.agent`); ``budget`` tokens per trajectory after its prompt, at most
         ``turn_tokens`` per policy turn."""
-        from flowc.runtime.envs import EnvPool
+        from flowc.runtime.envs import EnvPool, HarnessPool
 
         if self.init.layout.tp > 1:
             raise SpecError(
@@ -129,17 +130,18 @@ class RolloutEngine:
                 "run environments of its own and could diverge)",
                 fix=f"plan it with tp 1 (drop the pin {self.init.role}.generate.tp, or pin {self.init.role}.generate.tp=1)",
             )
-        if binding.role not in self.pools:
-            self.pools[binding.role] = EnvPool(binding)
+        held = self.pools.get(binding.role)
+        if held is not None and held.b != binding:  # another class or pool size for this role: a pool of its own
+            held.close()
+            held = None
+        if held is None:
+            self.pools[binding.role] = (HarnessPool if binding.harness else EnvPool)(binding)
         stop = stop_token_ids(self.tok, binding.stop, f"environment {binding.role} ({binding.name})")
         eos = eos_token_ids(self.tok, self.init.source)
         # the model's other end-of-sequence tokens end a turn too (and the trajectory), on both backends
         engine = self.b.turns(sp, eos[0], self.tok.pad_token_id, (*stop, *eos[1:]))  # type: ignore[attr-defined]
         seed = self.init.seed
-        out = run_agents(
-            engine,
-            self.pools[binding.role],
-            binding,
+        job = AgentJob(
             self.tok,
             prompts,
             records,
@@ -152,7 +154,16 @@ class RolloutEngine:
             seed_of=lambda row, j, turn: request_seed(seed, step, round_, row, j, turn),
             row_offset=row_offset,
             first_tid=self._tid,
+            stop_ids=tuple(stop),
         )
+        if binding.harness:  # server mode: the user's harness drives each trajectory through an OpenAI endpoint
+            from flowc.runtime.serve import TrajectoryServer
+
+            if self.server is None:
+                self.server = TrajectoryServer()
+            out = run_harnesses(engine, self.pools[binding.role], self.server, binding, job)
+        else:
+            out = run_agents(engine, self.pools[binding.role], binding, job)
         self._tid += prompts.input_ids.shape[0] * n
         return out
 
@@ -178,6 +189,9 @@ class RolloutEngine:
         for pool in self.pools.values():
             pool.close()
         self.pools = {}
+        if self.server is not None:
+            self.server.close()
+            self.server = None
         close = getattr(self.b, "close", None)
         if close is not None:
             close()

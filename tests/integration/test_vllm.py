@@ -241,3 +241,59 @@ def test_an_agent_rollout_on_vllm_keeps_the_sampled_tokens_and_their_context(vll
         want = response_logprobs(m, r.prompt_ids, r.prompt_mask.long(), r.response_ids, r.present.long())
     assert masked_max(want, r.logprobs, r.response_mask) < TOL
     assert float((r.logprobs * r.env_mask).abs().max()) == 0.0
+
+
+class OnesHarness:
+    """Ones as an agent harness on the OpenAI chat API (server mode)."""
+
+    stop = ("1",)
+    max_turns = 3
+
+    def run(self, record, base_url):
+        from openai import OpenAI
+
+        client = OpenAI(base_url=base_url, api_key="flowc", max_retries=0)
+        msgs = [{"role": "user", "content": record["prompt"]}]
+        for _ in range(3):
+            reply = client.chat.completions.create(model="policy", messages=msgs, max_tokens=6).choices[0].message.content
+            if not reply.endswith("1"):
+                return float(len(reply) >= 2)
+            msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "12"}]
+        return 0.0
+
+
+def test_server_mode_on_vllm_serves_an_openai_client_and_records_the_served_tokens(vllm_worker, tok):
+    """An agent harness on the OpenAI client drives trajectories through the vLLM engine's
+    endpoint: the trajectory holds the served tokens, the harness's messages between turns are the
+    environment's tokens, and the trainer's log-probabilities of the policy's tokens are the engine's."""
+    from flowc.runtime.envs import bind_class
+
+    m = model()
+    load(vllm_worker, m)
+    prompts = held_out(tok, k=8)
+    texts = tok.batch_decode(
+        [p[mk] for p, mk in zip(prompts.input_ids, prompts.attention_mask.bool(), strict=True)], skip_special_tokens=True
+    )
+    binding = bind_class("calc", OnesHarness, "test_vllm:OnesHarness", workers=2, timeout_s=60, error_reward=-1.0)
+    assert binding.harness
+    piece = Piece(ray.put(prompts), 0, prompts.input_ids.shape[0])
+    args = {
+        "n": 2,
+        "sampling": SamplingParams(temperature=1.0),
+        "max_tokens": 16,
+        "turn_tokens": 6,
+        "max_turns": 3,
+        "env": binding,
+        "records": [{"prompt": t} for t in texts],
+        "step": 0,
+        "row_offset": 0,
+    }
+    r, meta = ray.get(vllm_worker.run.remote(KEY, "generate", {"prompts": [piece]}, args), timeout=300)
+    assert meta["agent"]["env_errors"] == 0 and meta["agent"]["turns"] > 1 and meta["agent"]["env_tokens"] > 0, meta
+    obs = tok("12", add_special_tokens=False)["input_ids"]
+    for i in range(r.response_ids.shape[0]):
+        env_pos = r.env_mask[i].nonzero().squeeze(-1).tolist()
+        assert [r.response_ids[i, j].item() for j in env_pos] == obs * (int(r.turns[i]) - 1)
+    with torch.no_grad():
+        want = response_logprobs(m, r.prompt_ids, r.prompt_mask.long(), r.response_ids, r.present.long())
+    assert masked_max(want, r.logprobs, r.response_mask) < TOL

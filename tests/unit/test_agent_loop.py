@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from flowc.errors import SpecError
 from flowc.ir.functional import PromptBatch
 from flowc.ir.losses import PPOClip, policy_loss
-from flowc.runtime.agent import run_agents, stop_token_ids
+from flowc.runtime.agent import AgentJob, run_agents, stop_token_ids
 from flowc.runtime.envs import EnvPool, bind_class
 
 EOS, PAD = 0, 1
@@ -106,10 +106,7 @@ def _run(cls, turns, *, rows=("p1", "p2"), n=1, budget=24, max_turns=4, timeout_
     pool = EnvPool(b)
     engine = Script(turns)
     try:
-        out = run_agents(
-            engine,
-            pool,
-            b,
+        job = AgentJob(
             CharTok(),
             _prompts(list(rows)),
             [{"prompt": r, "answer": "ok"} for r in rows],
@@ -120,9 +117,8 @@ def _run(cls, turns, *, rows=("p1", "p2"), n=1, budget=24, max_turns=4, timeout_
             eos_ids=(EOS,),
             pad_id=PAD,
             seed_of=lambda row, j, turn: 1000 * row + 10 * j + turn,
-            row_offset=0,
-            first_tid=0,
         )
+        out = run_agents(engine, pool, b, job)
     finally:
         pool.close()
     return out, engine
@@ -216,3 +212,69 @@ def test_the_loss_over_a_trajectory_is_the_loss_over_the_policy_tokens_alone(see
             dst[i, :k] = src[i][policy[i]]
         pmask[i, :k] = True
     assert torch.allclose(policy_loss(spec, *packed, pmask)[0], loss, atol=1e-5)
+
+
+def test_the_protocol_takes_numpy_numbers_and_refuses_what_is_not_a_bool_or_a_number():
+    import numpy as np
+
+    from flowc.runtime.env_process import step_result
+
+    assert step_result(("x", np.float32(1.0), np.bool_(False), {"k": np.int64(2)}), "E") == ("x", 1.0, False, {"k": 2.0})
+    with pytest.raises(TypeError, match="done 'false' \\(str\\), expected a bool"):
+        step_result(("x", 1.0, "false"), "E")
+    with pytest.raises(TypeError, match="reward True"):
+        step_result(("x", True, False), "E")
+    with pytest.raises(TypeError, match="expected \\(observation: str"):
+        step_result("ok", "E")
+
+
+class Lossy(Tool):
+    def step(self, action):
+        return "résumé", 0.0, False  # the character tokenizer below has no 'é'
+
+
+class NoAccents(CharTok):
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text if ord(c) < 128]}
+
+
+def test_an_observation_the_tokenizer_cannot_encode_ends_its_trajectory_loudly():
+    b = bind_class("env", Lossy, "Lossy", workers=1, timeout_s=5, error_reward=-1.0)
+    pool = EnvPool(b)
+    try:
+        job = AgentJob(NoAccents(), _prompts(["p"]), [{"prompt": "p", "answer": "ok"}], 1, 3, 20, 8, (EOS,), PAD, lambda *a: 0)
+        out = run_agents(Script({0: ["a?", "b$"]}), pool, b, job)
+    finally:
+        pool.close()
+    assert out.metrics["env_errors"] == 1.0 and out.rollout.env_reward.tolist() == [-1.0]
+    assert "cannot encode the observation 'résumé' (it reads back as 'rsum')" in out.errors[0]
+
+
+def test_a_step_that_every_trajectory_failed_stops_the_run_and_says_why():
+    from flowc.errors import DataError
+    from flowc.runtime.controller import check_environments
+
+    check_environments({"agent/trajectories": 4.0, "agent/env_errors": 3.0}, 0)  # some failed: the run goes on
+    with pytest.raises(DataError, match=r"step 3: the environment ended all 4 trajectories .*ZeroDivisionError"):
+        check_environments(
+            {
+                "agent/trajectories": 4.0,
+                "agent/env_errors": 2.0,
+                "agent/env_lost": 2.0,
+                "agent/errors": ["error: ZeroDivisionError"],
+            },
+            2,
+        )
+
+
+def test_the_pool_counts_the_environments_own_time_not_the_loops():
+    pool = EnvPool(bind_class("env", Tool, "Tool", workers=1, timeout_s=5, error_reward=0.0))
+    try:
+        pool.submit(0, "reset", {"answer": "ok"})
+        pool.submit(0, "close")
+        time.sleep(1.0)  # the loop busy elsewhere: the answers wait
+        while pool.pending():
+            pool.poll(0.1)
+        assert pool.seconds() < 0.2
+    finally:
+        pool.close()
