@@ -307,7 +307,7 @@ class WorkerGroup:
             out = ray.get(lst, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError as e:
             raise WorkerTimeout(
-                f"{what} on worker group {self.name} ({self.roles}) did not finish within {self.timeout:.0f} s{self._silent(lst)}",
+                f"{what} on worker group {self.name} ({self.roles}) did not finish within {self.timeout:.0f} s{_silent(lst, len(self.workers))}",
                 fix="raise timeout_s in the run config, or look for a hung or stopped worker (its pid is in placement.json)",
             ) from e
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
@@ -328,7 +328,7 @@ class WorkerGroup:
                 ) from e
             if isinstance(cause, RuntimeFailure):
                 raise cause from None
-            silent = self._silent(lst)
+            silent = _silent(lst, len(self.workers))
             if silent:  # a survivor's collective gave up on a peer that never answered: name the peer
                 raise WorkerTimeout(
                     f"{what} on worker group {self.name} ({self.roles}) did not finish within {self.timeout:.0f} s{silent}"
@@ -339,14 +339,6 @@ class WorkerGroup:
                 f"{what} failed on worker group {self.name} ({self.roles}){rank}: {type(cause).__name__}: {cause}"
             ) from e
         return out[0] if single else out
-
-    def _silent(self, refs: list[Any]) -> str:
-        """Which ranks have not answered (when ``refs`` holds one call per rank)."""
-        if len(refs) != len(self.workers):
-            return ""
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
-        late = [i for i, r in enumerate(refs) if r in pending]
-        return f": rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} of {len(refs)} did not answer" if late else ""
 
     def call(self, method: str, *args: Any, per_rank: list[tuple] | None = None, num_returns: int = 1) -> list[Any]:
         """Call ``method`` on every worker (with per-rank arguments when given); returns refs."""
@@ -393,6 +385,15 @@ def _buckets(weights: Any, bucket_bytes: float) -> Any:
             bucket, size = {}, 0.0
     if bucket:
         yield bucket
+
+
+def _silent(refs: list[Any], ranks: int) -> str:
+    """Which ranks have not answered (when ``refs`` holds one call per each of ``ranks`` ranks)."""
+    if len(refs) != ranks:
+        return ""
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+    late = [i for i, r in enumerate(refs) if r in pending]
+    return f": rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} of {len(refs)} did not answer" if late else ""
 
 
 def collective_timeout(call_timeout_s: float) -> float:

@@ -256,6 +256,7 @@ def test_a_collective_that_gives_up_on_a_silent_peer_names_the_peer(ray_cluster)
     group = object.__new__(WorkerGroup)
     group.name, group.size, group.timeout, group.roles, group.workers = "g", 2, 2.0, "actor.train", [None, None]
     refs = [survivor.remote(), stopped.remote()]
+    ray_cluster.wait(refs[:1], timeout=120)  # the survivor has failed (a busy machine starts tasks slowly)
     try:
         with pytest.raises(WorkerTimeout, match=r"rank 1 of 2 did not answer \(then logprobs failed, rank 0: RuntimeError"):
             group.get(refs, "logprobs")
