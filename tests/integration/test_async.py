@@ -66,7 +66,7 @@ def test_a_slow_trainer_never_trains_older_samples_nor_buffers_more_than_k(ray_c
     k, steps = 2, 6
     (tmp_path / "slow_reward.py").write_text(
         "import time\n\n\ndef slow(prompts, responses, **_):\n"
-        "    time.sleep(0.4)\n"
+        "    time.sleep(1.2)\n"  # far longer than a generate, even on a loaded machine
         "    return [float(len(r) % 2) for r in responses]\n"
     )
     cfg = RunConfig(steps=steps, eval_every=0, checkpoint_every=0, staleness=k)
