@@ -36,7 +36,8 @@ def _stop(temp_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_pools_land_on_both_nodes(tmp_path):
+@pytest.mark.parametrize("flow", ["grpo", "grpo_tool"])  # grpo_tool: each node's replica runs its own environments
+def test_pools_land_on_both_nodes(tmp_path, flow):
     temp_dir = f"/tmp/flowc-2n-{os.getpid()}"
     port = _free_port()
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "disabled"}
@@ -57,9 +58,9 @@ def test_pools_land_on_both_nodes(tmp_path):
         r = subprocess.run(
             flowc_cmd(
                 "run",
-                str(EXAMPLES / "grpo.py"),
+                str(EXAMPLES / f"{flow}.py"),
                 *("--cluster", f"127.0.0.1:{port}", "--steps", "2", "--out", str(out), "-q"),
-                *("--workload", "prompts=8,prompt_len=8,response_len=6"),
+                *("--workload", "prompts=8,prompt_len=8,response_len=" + ("20" if flow == "grpo_tool" else "6")),
             ),
             cwd=ROOT,
             capture_output=True,
@@ -77,5 +78,7 @@ def test_pools_land_on_both_nodes(tmp_path):
             assert len({w["node_id"] for w in placement[pool["name"]]}) == pool["nodes"], (pool, placement)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert rows[-1]["step"] == 2
+        if flow == "grpo_tool":
+            assert rows[-1]["agent/trajectories"] == 64 and rows[-1]["agent/env_errors"] == 0 and rows[-1]["agent/turns"] >= 1
     finally:
         _stop(temp_dir)
