@@ -117,6 +117,13 @@ def diagnose(g: FlowGraph, ctx: PlanContext, result: SearchResult) -> Infeasible
 
 def _what_would_fit(g: FlowGraph, ctx: PlanContext, units: list[str], budget: _Budget) -> list[str]:
     hints: list[str] = []
+    table = ctx.options
+    single = [u for u in units if u in table.units and table.units[u].generates and table.multi_turn(table.units[u])]
+    if single:  # more devices cannot help a replica that must fit one device
+        return [
+            f"{', '.join(single)}: a policy whose weights fit one device, or a device type with more memory "
+            "(multi-turn generation runs on single-device replicas)"
+        ]
     node = ctx.cluster.devices_per_node
     # more devices of the same type: the smallest multiple of the cluster that fits each failing unit
     largest = 0

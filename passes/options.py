@@ -269,15 +269,19 @@ class OptionTable:
             return f"the runtime's {backend} backend does not run {lay.short()}"
         return "no layout the pins allow fits"
 
+    def multi_turn(self, u: Unit) -> bool:
+        """Whether the unit runs a multi-turn generate (``generate(env=…)``)."""
+        return any(self.demand[op].agent for op in u.ops if op in self.demand)
+
     def generation_layouts(self, u: Unit, d: int) -> list[Layout]:
         """Generation layouts whose weight shard fits a device, with each rollout backend the
         target offers (or the one pinned): the cost model prices them apart."""
         m = self.models[u.role]
         pin = self.pins.phase(u.role, "generate")
         out: list[Layout] = []
-        # a multi-turn generate runs on single-rank replicas: a tensor-parallel replica's ranks would each run
-        # their own environments (runtime.agent); its model must fit one device
-        agent = any(self.demand[op].agent for op in u.ops if op in self.demand)
+        # a multi-turn generate runs on single-rank replicas: a tensor- or pipeline-parallel replica's ranks would
+        # each run their own environments (runtime.agent); its model must fit one device
+        agent = self.multi_turn(u)
         for backend in (pin.backend,) if pin.backend else self.rollout_backends:
             # within a node first; over nodes only for models whose weights need more than a node's tp group
             tps = [1] if agent and pin.tp is None else tp_choices(m, d, self.hw)
@@ -285,7 +289,7 @@ class OptionTable:
             if not agent and (pin.tp is not None or widest > 0.5 * self.capacity_gb):
                 tps = tp_choices(m, d, self.hw, across_nodes=True)
             for tp in tps:
-                for pp in _powers_dividing(d // tp, 16):
+                for pp in [1] if agent and pin.pp is None else _powers_dividing(d // tp, 16):
                     eps = [1, tp] if (m.is_moe and tp > 1) else [1]
                     for ep in eps:
                         lay = _layout(dp=d // tp // pp, tp=tp, pp=pp, ep=ep, backend=backend)

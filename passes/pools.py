@@ -111,6 +111,13 @@ class PoolTable:
                     why = f"{g}: no generation layout with {shown} on {d} devices: {t.generation_refusal(t.units[g], d)}"
                     return _infeasible(units, d, why)
                 m = t.models[role]
+                if t.multi_turn(t.units[g]):
+                    need = generation_weights_gb(m, Layout(tp=1, backend="vllm"))
+                    why = (
+                        f"{g}: a multi-turn generate runs on single-device replicas (each rank of a wider replica would run "
+                        f"environments of its own), and {m.name}'s weights need {need:.1f} GB of a device's {self.cap:.1f} GB"
+                    )
+                    return _infeasible(units, d, why)
                 need = generation_weights_gb(m, Layout(tp=min(d, t.hw.node), backend="vllm"))
                 why = (
                     f"{g}: the weights need {need:.1f} GB per device even at the widest tensor parallelism, of {self.cap:.1f} GB"

@@ -123,12 +123,13 @@ class RolloutEngine:
         ``turn_tokens`` per policy turn."""
         from flowc.runtime.envs import EnvPool, HarnessPool
 
-        if self.init.layout.tp > 1:
+        lay = self.init.layout
+        if lay.tp > 1 or lay.pp > 1:
             raise SpecError(
-                f"{self.init.role}.generate with environment {binding.role} on a tensor-parallel replica "
-                f"(tp={self.init.layout.tp}): multi-turn generation runs on single-rank replicas only (each rank would "
+                f"{self.init.role}.generate with environment {binding.role} on a replica of several ranks "
+                f"(tp={lay.tp}, pp={lay.pp}): multi-turn generation runs on single-rank replicas only (each rank would "
                 "run environments of its own and could diverge)",
-                fix=f"plan it with tp 1 (drop the pin {self.init.role}.generate.tp, or pin {self.init.role}.generate.tp=1)",
+                fix=f"plan it with tp 1 and pp 1 (drop the pins {self.init.role}.generate.tp/pp, or pin them to 1)",
             )
         held = self.pools.get(binding.role)
         if held is not None and held.b != binding:  # another class or pool size for this role: a pool of its own

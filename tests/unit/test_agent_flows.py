@@ -158,3 +158,22 @@ def test_a_run_checks_its_environment_before_the_first_step(tmp_path):
         check_envs({"calc": bind_class("calc", Broken, "B", workers=1, timeout_s=5, error_reward=0)}, rows, "prompt", tok)
     with pytest.raises(SpecError, match=r"stop string '\*\)' is 2 tokens"):
         check_envs({"calc": bind_class("calc", LongStop, "L", workers=1, timeout_s=5, error_reward=0)}, rows, "prompt", tok)
+
+
+def test_multi_turn_generation_is_planned_on_single_device_replicas():
+    """A replica of several ranks would run each rank's own environments: the planner plans tp 1
+    and pp 1 for a multi-turn generate, and a policy too large for one device is refused saying so."""
+    from flowc.errors import InfeasibleError
+    from flowc.ir.cluster import ClusterSpec
+    from flowc.ir.workload import WorkloadSpec
+    from flowc.passes.pipeline import make_plan
+    from flowc.planning import resolve_models
+
+    gen = _plan(BASE + ",turns=3").roles["actor"].phases["generate"]
+    assert (gen.tp, gen.pp) == (1, 1)
+    g = load_flow(str(EXAMPLES / "grpo_tool.py")).trace()
+    models, _ = resolve_models(g, {"actor": "llama-3.1-70b"})
+    with pytest.raises(InfeasibleError) as e:
+        make_plan(g, models, ClusterSpec.parse("2x8xH100"), WorkloadSpec.parse("prompts=64,prompt_len=512,response_len=2048"))
+    assert "runs on single-device replicas" in e.value.what and "141.1 GB of a device's 76.0 GB" in e.value.what
+    assert "fit one device, or a device type with more memory" in e.value.fix
