@@ -8,7 +8,7 @@ observation that arrives goes back to the engine at once. The vLLM engine takes 
 one and steps its continuous batch (a turn is submitted as soon as its observation is there); the
 ``hf`` engine runs lock-step per turn: it waits for every environment, then decodes all the turns
 waiting as one batch, so a batch's rows (and so their numerics) never depend on which environment
-answered first and a run is reproducible. Replicas are single-rank (the planner plans tp 1 for a
+answered first and a run is reproducible. Replicas are single-rank (the planner plans tp 1, pp 1 for a
 multi-turn generate, the engine refuses more): the ranks of a tensor-parallel replica would each run
 environments of their own.
 
