@@ -382,6 +382,12 @@ def run_harnesses(engine: TurnEngine, pool: Any, server: Any, binding: EnvBindin
                 if t is None or t.done:
                     req.answer(400, error(f"trajectory {req.tid} is not running"))
                     continue
+                if any(o[1] is t for o in open_.values()):  # its turns form one sequence: one request at a time
+                    req.answer(
+                        400,
+                        error(f"trajectory {req.tid} already has a request being answered: send the next turn after it returns"),
+                    )
+                    continue
                 try:
                     ids = extend(t, req)
                 except Refused as e:

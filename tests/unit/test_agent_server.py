@@ -167,3 +167,33 @@ def test_the_endpoint_answers_models_and_unknown_paths():
         assert s.url.startswith("http://127.0.0.1:")
     finally:
         s.close()
+
+
+class Concurrent(ChatHarness):
+    """Sends two requests of one trajectory at once: the second is refused (a trajectory is one sequence) —
+    while the first is being answered, or after it, as no longer extending what was served."""
+
+    def run(self, record, base_url):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from openai import BadRequestError, OpenAI
+
+        client = OpenAI(base_url=base_url, api_key="flowc", max_retries=0)
+        msgs = [{"role": "user", "content": record["prompt"]}]
+
+        def ask():
+            try:
+                return client.chat.completions.create(model="policy", messages=msgs, max_tokens=12).choices[0].message.content
+            except BadRequestError as e:
+                return f"refused: {e}"
+
+        with ThreadPoolExecutor(2) as ex:
+            got = sorted(ex.map(lambda _: ask(), range(2)))
+        refused = ("already has a request being answered", "does not extend the conversation served so far")
+        assert got[0].startswith("(") and any(r in got[1] for r in refused), got
+        return 1.0
+
+
+def test_a_trajectory_takes_one_request_at_a_time():
+    out, _ = _run(Concurrent, rows=("12*34=",), n=1)
+    assert out.metrics["env_errors"] == 0 and out.rollout.turns.tolist() == [1]
