@@ -10,9 +10,12 @@ the shared training loop (``backends.training.TrainEngine`` on fsdp2, one proces
 in a fresh interpreter: ``rows`` is one micro-batch of all 64 rows (what row micro-batches of
 the planned size run: every row padded to the widest), ``cuts`` the planner's budget with its
 ``micro_overhead_tokens`` (rows sorted by length, cut where padding saved exceeds a
-micro-batch's fixed cost), and ``fill32`` a budget of 32 rows of the longest length filled
-greedily. Modes alternate within each round; reported: the median update time, the
-micro-batches it ran, the padded tokens it computed, and the ratio to ``rows``.
+micro-batch's fixed cost), ``fill32`` a budget of 32 rows of the longest length filled
+greedily, and ``shared`` the planner's cuts with ``share_prompts`` (the rows come in groups of
+8 samples of one prompt, as GRPO's: a micro-batch where it pays computes each distinct prompt
+once, then the responses on its KV cache). Modes alternate within each round; reported: the
+median update time, the micro-batches it ran (and of those, how many shared their prompts),
+the tokens it computed (padding included), and the ratio to ``rows``.
 """
 
 from __future__ import annotations
@@ -32,13 +35,14 @@ from fresh import in_fresh_process  # bench/fresh.py
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "grpo_vs_trl"))
-ROWS, PROMPT, RESPONSE = 64, 8, 24
+ROWS, PROMPT, RESPONSE, N = 64, 8, 24, 8
 
 
 def lengths(seed: int = 0) -> tuple[list[int], list[int]]:
+    """Prompt and response lengths per row; the rows come in groups of ``N`` samples of one prompt."""
     rng = random.Random(seed)
     q = [RESPONSE if rng.random() < 0.36 else rng.randint(1, RESPONSE - 1) for _ in range(ROWS)]
-    p = [rng.randint(5, 7) for _ in range(ROWS)]
+    p = [rng.randint(5, 7) for _ in range(ROWS // N) for _ in range(N)]
     return p, q
 
 
@@ -79,7 +83,8 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
     from flowc.ir.run_config import OptimConfig
     from flowc.runtime.backends import EngineInit
     from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
-    from flowc.runtime.backends.training import TrainEngine, token_bins
+    from flowc.runtime.backends.training import TrainEngine, shares_prompt, token_bins, trim
+    from flowc.runtime.batches import take_rows
 
     torch.set_num_threads(os.cpu_count() or 1)
     init = EngineInit(role="actor", kind="policy", source=model, layout=Layout(), dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
@@ -92,7 +97,7 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
         pmask[i, PROMPT - p[i] :] = True
         rmask[i, : q[i]] = True
     r = Rollout(
-        torch.randint(3, 30, (ROWS, PROMPT), generator=g) * pmask,
+        torch.randint(3, 30, (ROWS // N, PROMPT), generator=g).repeat_interleave(N, 0) * pmask,
         pmask,
         torch.randint(3, 30, (ROWS, RESPONSE), generator=g),
         rmask,
@@ -102,10 +107,27 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
     kw = {
         "rows": {"micro": ROWS},
         "cuts": {"micro": ROWS, "micro_tokens": budget, "micro_overhead": overhead},
+        "shared": {"micro": ROWS, "micro_tokens": budget, "micro_overhead": overhead, "share_prompts": True},
         "fill32": {"micro": ROWS, "micro_tokens": 32 * (PROMPT + RESPONSE)},
     }[mode]
-    bins = token_bins(r, kw["micro_tokens"], 1, kw.get("micro_overhead", 0.0)) if "micro_tokens" in kw else [torch.arange(ROWS)]
-    padded = sum(len(b) * int(pmask[b].sum(-1).max() + rmask[b].sum(-1).max()) for b in bins)
+    share = kw.get("share_prompts", False)
+    bins = (
+        token_bins(r, kw["micro_tokens"], 1, kw.get("micro_overhead", 0.0), share)
+        if "micro_tokens" in kw
+        else [torch.arange(ROWS)]
+    )
+
+    def tokens(b: torch.Tensor) -> int:  # what the micro-batch computes: prompts once per distinct prompt when shared
+        wp, wq = int(pmask[b].sum(-1).max()), int(rmask[b].sum(-1).max())
+        part = trim(take_rows(r, b))
+        prompts = (
+            len(b)
+            if shares_prompt(part, kw.get("micro_overhead", 0.0)) is None or not share
+            else len({tuple(x) for x in r.prompt_ids[b].tolist()})
+        )
+        return prompts * wp + len(b) * wq
+
+    padded = sum(tokens(b) for b in bins)
 
     def update() -> None:
         eng.update(
@@ -126,7 +148,12 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
         t = time.perf_counter()
         update()
         times.append(time.perf_counter() - t)
-    return {"ms": statistics.median(times) * 1e3, "micro_batches": eng.micro_batches, "padded": padded}
+    return {
+        "ms": statistics.median(times) * 1e3,
+        "micro_batches": eng.micro_batches,
+        "padded": padded,
+        "shared": eng.shared_prompts,
+    }
 
 
 def main() -> None:
@@ -140,7 +167,7 @@ def main() -> None:
 
     cache = ROOT / "bench" / ".cache"
     cache.mkdir(exist_ok=True)
-    modes = ("rows", "cuts", "fill32")
+    modes = ("rows", "cuts", "fill32", "shared")
     rows = []
     for size in args.sizes.split(","):
         model = model_dir(size, cache)
@@ -163,7 +190,8 @@ def main() -> None:
                         dtype,
                         mode,
                         ms,
-                        got[mode][0]["micro_batches"],
+                        f"{got[mode][0]['micro_batches']}"
+                        + (f" ({got[mode][0]['shared']} shared)" if got[mode][0]["shared"] else ""),
                         got[mode][0]["padded"],
                         ms / base,
                         pl["overhead"],
@@ -179,7 +207,7 @@ def main() -> None:
     )
     print()
     print(
-        "| size | dtype | mode | update (ms) | micro-batches | padded tokens | vs rows | planned fixed cost (tokens) | rounds (ms) |"
+        "| size | dtype | mode | update (ms) | micro-batches | computed tokens | vs rows | planned fixed cost (tokens) | rounds (ms) |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
     for size, dtype, mode, ms, k, padded, ratio, ov, each in rows:

@@ -80,6 +80,10 @@ class Layout(BaseModel):
             device); 0: micro-batches of ``micro_batch`` rows. With a budget the runtime
             sorts a replica's rows by length and fills each micro-batch up to it, so short
             rows share one and padding stays within rows of similar length.
+        share_prompts: rows with the same prompt (the ``n`` samples of a generate, DPO's
+            pairs) compute it once in a micro-batch: a pass over each distinct prompt, then the
+            rows' responses on its KV cache (fsdp2; the runtime does it in a micro-batch where
+            the prompt tokens saved exceed a pass's fixed cost).
     """
 
     model_config = _FROZEN
@@ -95,6 +99,7 @@ class Layout(BaseModel):
     activation_checkpointing: bool = False
     micro_batch: int = Field(1, ge=1)
     micro_tokens: int = Field(0, ge=0)
+    share_prompts: bool = False
 
     @property
     def micro_label(self) -> str:
@@ -130,6 +135,8 @@ class Layout(BaseModel):
             flags.append("offload-opt")
         if self.activation_checkpointing:
             flags.append("ckpt")
+        if self.share_prompts:
+            flags.append("shared-prompts")
         return " ".join(parts) + (f" [{', '.join(flags)}]" if flags else "")
 
 

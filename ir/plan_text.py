@@ -94,7 +94,13 @@ _ROLE_HEADERS = [
     "total/cap",
     "time",
 ]
-_FLAGS = (("fsdp", "fsdp"), ("off-p", "offload_params"), ("off-o", "offload_optimizer"), ("ckpt", "activation_checkpointing"))
+_FLAGS = (
+    ("fsdp", "fsdp"),
+    ("off-p", "offload_params"),
+    ("off-o", "offload_optimizer"),
+    ("ckpt", "activation_checkpointing"),
+    ("sp", "share_prompts"),
+)
 
 
 def _roles(plan: Plan) -> list[str]:

@@ -222,6 +222,21 @@ def padded_seq_len(d: Demand, lay: Layout, seqs_per_replica: float) -> float:
     return d.seq_len + spread * share
 
 
+def prompt_tokens_saved(d: Demand, lay: Layout, seqs_per_replica: float, micro_batches: int) -> float:
+    """Prompt tokens per sequence that computing each distinct prompt once in a micro-batch
+    saves (``share_prompts``): of a micro-batch's ``m`` rows, those beyond its distinct prompts.
+    A replica's ``s`` rows hold ``s/g`` prompts of ``g`` rows each; a micro-batch's rows are cut
+    by length, not by prompt, so a prompt is in it with the chance that any of its ``g`` rows
+    is: ``1 − (1 − m/s)^g``."""
+    if not lay.share_prompts or d.group < 2:
+        return 0.0
+    s = max(seqs_per_replica, 1.0)
+    m = s / max(micro_batches, 1)
+    g = min(float(d.group), s)
+    distinct = s / g * (1.0 - (1.0 - min(m / s, 1.0)) ** g)
+    return d.prompt_len * max(m - distinct, 0.0) / m
+
+
 def param_tensors(m: ModelSpec) -> int:
     """Parameter tensors of a decoder (q, k, v, o, three MLP matrices, two norms per layer; biases when present)."""
     per_layer = 9 + (3 if m.attention_bias else 0) + (2 if m.qk_norm else 0)

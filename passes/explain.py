@@ -5,7 +5,7 @@ canned."""
 from __future__ import annotations
 
 from flowc.ir.graph import FlowGraph
-from flowc.ir.plan import Alternative, PhasePlan
+from flowc.ir.plan import Alternative, Layout, PhasePlan
 from flowc.passes.costs import PhaseCost
 from flowc.passes.flops import Demand
 from flowc.passes.generation_costs import generate_cost
@@ -345,6 +345,8 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
                 f0 = opts.front[0].layouts.get("train", opts.front[0].layouts.get("forward"))
                 extra = f"; its fastest layout alone ({f0.short()} {f0.micro_label}) leaves too little memory for the roles it shares devices with"
             lines.append(f"{u}: {lay.short()} {lay.micro_label} ({lay.backend}), {o.resident_gb:.1f} GB resident{extra}.")
+            if line := shared_prompts_line(u, lay, o.op_costs, table.demand):
+                lines.append(line)
     for r in plan_body["reshards"]:
         if (r.dst_phase == "generate" and r.method != "in_place") or r.bytes_per_device > 0:
             lines.append(
@@ -352,3 +354,20 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
                 f"(lower bound {r.lower_bound_bytes / 1e9:.2f} GB), {r.time_s:.2f} s."
             )
     return lines
+
+
+def shared_prompts_line(unit: str, lay: Layout, costs: dict[str, PhaseCost], demand: dict[str, Demand]) -> str | None:
+    """What computing each prompt once saves a unit that shares its prompts (``share_prompts``)."""
+    if not lay.share_prompts:
+        return None
+    saved = sum(c.detail.get("shared_prompts", 0.0) for c in costs.values())
+    total = sum(c.time for c in costs.values())
+    group = max(demand[op].group for op in costs)
+    if saved <= 0:
+        return (
+            f"{unit}: shares prompts (pinned); the cost model finds no micro-batch where it pays, so the runtime runs one pass."
+        )
+    return (
+        f"{unit}: each prompt computed once for the {group} rows that share it, then their responses on its KV cache "
+        f"(shared prompts): {saved:.2f} s per step saved net of the extra pass ({saved / (total + saved):.0%} of its ops)."
+    )

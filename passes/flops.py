@@ -66,6 +66,8 @@ class Demand:
         agent, turns: a multi-turn generate, and its policy turns per trajectory.
         obs_len: tokens of one environment observation between turns.
         env_latency_s: seconds of one environment step.
+        group: rows that share one prompt (the ``n`` of the rollout an update or forward op
+            reads), which a layout with ``share_prompts`` computes once.
     """
 
     sequences: int
@@ -79,6 +81,7 @@ class Demand:
     turns: float = 1.0
     obs_len: float = 0.0
     env_latency_s: float = 0.0
+    group: int = 1
 
     @property
     def lengths(self) -> LengthDist:

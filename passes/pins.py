@@ -49,6 +49,7 @@ class PhasePin(BaseModel):
     activation_checkpointing: bool | None = None
     micro_batch: int | None = Field(None, ge=1)
     micro_tokens: int | None = Field(None, ge=0)
+    share_prompts: bool | None = None
     devices: int | None = Field(None, ge=1)
     # generate only: the share of each device the engine may take (vLLM's gpu_memory_utilization:
     # its weights, KV cache and buffers); None: planned from the cache's peak demand

@@ -23,6 +23,7 @@ from flowc.passes.costs import (
     padded_seq_len,
     param_tensors,
     params_per_device,
+    prompt_tokens_saved,
     replica_sequences,
     shape_efficiency,
     train_state_gb,
@@ -67,13 +68,29 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     mbs = _micro_batches(seqs_per_dp, lay, padded)
     t_micro = _tokens_per_micro(lay, padded, seqs_per_dp, d.prompt_len + d.response_len)
     eff = hw.eff.train * (hw.eff.moe_train if m.is_moe else 1.0) * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
-    flops = train_flops(m, d.tokens * padded / d.seq_len, padded, recompute=lay.activation_checkpointing)
-    if m.lora is not None and m.lora.enabled:  # frozen weights get no weight gradients: those backward GEMMs drop out
-        flops -= 2.0 * d.tokens * padded / d.seq_len * max(matmul_params(m) - m.trained_params, 0)
-    compute = flops / (devices * hw.peak * eff)
+
+    def compute_of(width: float) -> float:  # seconds of compute with rows ``width`` tokens wide
+        flops = train_flops(m, d.tokens * width / d.seq_len, padded, recompute=lay.activation_checkpointing)
+        if m.lora is not None and m.lora.enabled:  # frozen weights get no weight gradients: those backward GEMMs drop out
+            flops -= 2.0 * d.tokens * width / d.seq_len * max(matmul_params(m) - m.trained_params, 0)
+        return flops / (devices * hw.peak * eff)
+
+    ps_full = params_per_device(m, lay, sharded_over_dp=False)
+    dp_bw = _dp_bw(hw, lay)
+    groups = m.num_layers + 1  # FSDP: one collective per layer group and the root
+    wb = m.bytes_per_param  # compute dtype: activations, gathered weights
+    gathers = lay.fsdp and lay.dp * lay.cp > 1  # all-gather fwd + bwd (compute dtype) every micro-batch and pass
+    per_mb = gather_time(ps_full.total * wb, lay.dp * lay.cp, dp_bw, 0.0) * 2 + 2 * groups * hw.latency if gathers else 0.0
+    compute = compute_of(padded)
+    # shared prompts: each distinct prompt once, for one more pass per micro-batch (its dispatch, forward
+    # and backward, and FSDP's gathers)
+    extra = (3.0 * m.num_layers / lay.pp * hw.layer_overhead + per_mb) * mbs * d.updates
+    shared = _shared_prompts(compute, compute_of(padded - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)), extra)
+    passes = 2.0 if shared < compute else 1.0
+    saved = compute - min(compute, shared) - (extra if passes > 1 else 0.0)  # net of the extra pass
+    compute = min(compute, shared)
     tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
-    wb = m.bytes_per_param  # compute dtype: activations, gathered weights
     h2 = m.hidden_size * wb
     # tensor parallel: 4 all-reduce-equivalents per layer (2 fwd, 2 bwd), 2 more when recomputing
     n_tp = (6 if lay.activation_checkpointing else 4) * layers
@@ -91,17 +108,13 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     if lay.pp > 1:
         pp_p2p = 2 * tokens_per_rank * h2 / hw.link(lay.pp, lay.tp * lay.cp * lay.dp) * (lay.pp - 1) / lay.pp
     # data parallel: gradient reduction (and parameter gathering) per update or per micro-batch
-    ps_full = params_per_device(m, lay, sharded_over_dp=False)
     trained = trained_fraction(m)  # LoRA: only the adapters have gradients to reduce and an optimizer step
-    dp_bw = _dp_bw(hw, lay)
-    dp = per_mb = 0.0
+    dp = 0.0
     if lay.dp * lay.cp > 1:
         group = lay.dp * lay.cp
-        if lay.fsdp:  # all-gather fwd + bwd (compute dtype) every micro-batch; fp32 grads reduce-scattered once per update
-            groups = m.num_layers + 1  # one collective per layer group and the root
-            per_mb = gather_time(ps_full.total * wb, group, dp_bw, 0.0) * 2 + 2 * groups * hw.latency
+        if lay.fsdp:  # per_mb's gathers every micro-batch and pass; fp32 grads reduce-scattered once per update
             comm = (
-                per_mb * mbs + gather_time(ps_full.total * trained * 4.0, group, dp_bw, 0.0) + groups * hw.latency
+                per_mb * mbs * passes + gather_time(ps_full.total * trained * 4.0, group, dp_bw, 0.0) + groups * hw.latency
             ) * d.updates
             # the sharded (DTensor) optimizer step and norm pay a dispatch per parameter tensor
             dtensor = 2 * param_tensors(m) * hw.layer_overhead * d.updates
@@ -132,7 +145,8 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     if lay.offload_params:  # host → device copies of the shards every micro-batch (half hidden by prefetch)
         offload = 0.5 * local * wb * 2 / hw.host * mbs * d.updates
     # fixed cost of every micro-batch: kernel launches (GPU) or Python dispatch (CPU), forward and backward
-    launch = 3.0 * mbs * d.updates * layers * hw.layer_overhead
+    one_pass = 3.0 * mbs * d.updates * layers * hw.layer_overhead
+    launch = one_pass * passes
     # mixed precision over fp32 master weights: every micro-batch casts them to the compute dtype and
     # accumulates its gradients back into fp32 (read 4 + write 2 bytes, then read 2 + 4, write 4)
     cast = MASTER_CAST_BYTES * stepped / (hw.hbm * 0.8) * mbs * d.updates if _casts_master(m, lay) else 0.0
@@ -153,12 +167,21 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         "ep": ep,
         "optimizer": opt,
         "offload": offload,
+        "shared_prompts": saved,
     }
-    per_micro = (launch + offload) / (mbs * d.updates) + per_mb
+    per_micro = (launch - one_pass * (passes - 1) + offload) / (mbs * d.updates) + per_mb  # one pass's
     return PhaseCost(total, mem, resident, mfu, 1, detail, host_state_gb(m, lay), _in_tokens(per_micro, compute, tokens_per_rank))
 
 
 MASTER_CAST_BYTES = 16.0  # per trained parameter and micro-batch, forward cast and gradient accumulation
+
+
+def _shared_prompts(plain: float, saved_to: float, extra: float) -> float:
+    """Compute seconds with shared prompts (``saved_to``: with the prompt tokens saved) when they
+    and the extra pass (``extra`` seconds: its dispatch and gathers, which the caller then counts
+    twice) beat ``plain``; otherwise infinity (the runtime then runs one pass: it decides per
+    micro-batch by the same fixed cost)."""
+    return saved_to if saved_to + extra < plain else math.inf
 
 
 def _casts_master(m: ModelSpec, lay: Layout) -> bool:
@@ -185,9 +208,19 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     t_micro = _tokens_per_micro(lay, padded, seqs_per_dp, d.prompt_len + d.response_len)
     eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     compute = forward_flops(m, d.tokens * padded / d.seq_len, padded) / (devices * hw.peak * eff)
+    wb = m.bytes_per_param  # compute dtype: activations, gathered weights
+    ps_full = params_per_device(m, lay, sharded_over_dp=False)
+    gathers = lay.fsdp and lay.dp * lay.cp > 1
+    per_mb = gather_time(ps_full.total * wb, lay.dp * lay.cp, _dp_bw(hw, lay), hw.latency) if gathers else 0.0
+    # shared prompts: one more pass per micro-batch (its dispatch and FSDP's gathers)
+    width = padded - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)
+    extra = (m.num_layers / lay.pp * hw.layer_overhead + per_mb) * mbs
+    shared = _shared_prompts(compute, compute * width / padded, extra)
+    passes = 2.0 if shared < compute else 1.0
+    saved = compute - min(compute, shared) - (extra if passes > 1 else 0.0)  # net of the extra pass
+    compute = min(compute, shared)
     tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
-    wb = m.bytes_per_param  # compute dtype: activations, gathered weights
     h2 = m.hidden_size * wb
     tp = 0.0
     if lay.tp > 1:
@@ -207,18 +240,16 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
             / lay.ep
             / hw.link(lay.ep)
         )
-    ps_full = params_per_device(m, lay, sharded_over_dp=False)
-    gather = per_mb = 0.0
-    if lay.fsdp and lay.dp * lay.cp > 1:
-        per_mb = gather_time(ps_full.total * wb, lay.dp * lay.cp, _dp_bw(hw, lay), hw.latency)
-        comm = per_mb * mbs
+    gather = 0.0
+    if gathers:
+        comm = per_mb * mbs * passes
         gather = max(comm - hw.overlap * compute, (1 - hw.overlap) * comm)
     local = params_per_device(m, lay).total
     offload = 0.0
     if lay.offload_params:
         # frozen roles swap their weights in once per op; FSDP's CPU offload copies them every micro-batch
         offload = local * wb / hw.host if frozen else 0.5 * local * wb / hw.host * mbs
-    launch = mbs * layers * hw.layer_overhead
+    launch = mbs * layers * hw.layer_overhead * passes
     if not frozen and _casts_master(m, lay):  # a trained role's forward casts its fp32 master weights each micro-batch
         launch += 6.0 * local / (hw.hbm * 0.8) * mbs
     total = compute + tp + bubble + ep + gather + offload + launch
@@ -239,7 +270,11 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
         resident,
         0.0,
         1,
-        {"compute": compute, "tp": tp, "pp_bubble": bubble, "ep": ep, "dp": gather, "offload": offload},
+        {"compute": compute, "tp": tp, "pp_bubble": bubble, "ep": ep, "dp": gather, "offload": offload, "shared_prompts": saved},
         host,
-        _in_tokens(launch / mbs + per_mb + (0.0 if frozen else offload / mbs), compute, tokens_per_rank),
+        _in_tokens(
+            (launch - layers * hw.layer_overhead * mbs * (passes - 1)) / mbs + per_mb + (0.0 if frozen else offload / mbs),
+            compute,
+            tokens_per_rank,
+        ),
     )

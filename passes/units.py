@@ -120,9 +120,9 @@ def demands(g: FlowGraph, w: WorkloadSpec) -> dict[str, Demand]:
                 agent = dict(agent=True, turns=float(turns), obs_len=w.obs_len, env_latency_s=w.env_latency_s)
             out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, percentiles=pct, **agent)
         elif n.op == "update":
-            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, passes=w.epochs, updates=updates)
+            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, passes=w.epochs, updates=updates, group=batch)
         else:
-            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r)
+            out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, group=batch)
     return out
 
 

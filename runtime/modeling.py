@@ -236,9 +236,22 @@ class ValueModel(nn.Module):
         self.head = nn.Linear(lm.config.hidden_size, 1, bias=False)
         nn.init.zeros_(self.head.weight)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        h = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-        return self.head(h).squeeze(-1)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: object | None = None,
+        keep_cache: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, object]:
+        """The head's output on every position; with ``keep_cache`` also the KV cache, which
+        ``cache`` continues (a shared prompt's, see :func:`shared_prompt_pass`)."""
+        kw = {cache_kwarg(self.trunk): cache} if cache is not None else {}
+        out = self.trunk(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=keep_cache, **kw
+        )
+        v = self.head(out.last_hidden_state).squeeze(-1)
+        return (v, cache_of(out)) if keep_cache else v
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -270,13 +283,91 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.gather(F.log_softmax(logits.float(), dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def response_logprobs(model: nn.Module, prompt_ids, prompt_mask, response_ids, response_mask, *, with_entropy: bool = False):
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's prompt, numbered ``0 … u-1``: rows with the same prompt tokens (padding
+    ignored) get the same number — the ``n`` samples of one prompt, DPO's chosen and rejected."""
+    if prompt_ids.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=prompt_ids.device)
+    key = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
+    return torch.unique(key, dim=0, return_inverse=True)[1]
+
+
+def first_rows(groups: torch.Tensor) -> torch.Tensor:
+    """The first row of each group numbered by :func:`prompt_groups`."""
+    rows = torch.arange(len(groups), device=groups.device)
+    first = torch.full((int(groups.max()) + 1,), len(groups), dtype=torch.long, device=groups.device)
+    return first.scatter_reduce(0, groups, rows, "amin")
+
+
+def can_share_prompts(model: nn.Module) -> bool:
+    """Whether :func:`shared_prompt_pass` can run ``model``: a decoder whose every layer keeps a
+    full KV cache (no sliding window), and no activation checkpointing (HF turns the cache off
+    under it)."""
+    lm = getattr(model, "trunk", model)
+    cfg = getattr(lm, "config", None)
+    if cfg is None or getattr(lm, "is_gradient_checkpointing", False):
+        return False
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    return types == {"full_attention"} and not getattr(text, "use_sliding_window", False)
+
+
+def _expand_cache(cache: object, rows: torch.Tensor) -> object:
+    """The cache of each prompt repeated for the rows that share it (an index, so the rows'
+    gradients add up on the prompt's keys and values)."""
+    for layer in cache.layers:
+        layer.batch_select_indices(rows)
+    return cache
+
+
+def shared_prompt_pass(
+    model: nn.Module, prompt_ids, prompt_mask, response_ids, response_mask, groups: torch.Tensor, *, value: bool
+):
+    """The model over each distinct prompt once, then over every row's response on that prompt's
+    KV cache: the same outputs as one pass over ``prompt + response`` rows, without computing
+    a prompt again for every sample of it. Returns the output at the prompt's last position
+    (each row's copy; ``[N, 1, …]``) and at every response position (``[N, R, …]``): logits,
+    or with ``value`` the head's values."""
+    first = first_rows(groups)
+    pm = prompt_mask[first].long()
+    head = dict(input_ids=prompt_ids[first], attention_mask=pm, position_ids=positions(pm))
+    if value:
+        v, cache = model(**head, keep_cache=True)
+        last = v[:, -1:]
+    else:
+        out = model(**head, use_cache=True, logits_to_keep=1)
+        last, cache = out.logits, cache_of(out)
+    cache = _expand_cache(cache, groups)
+    mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    rest = dict(input_ids=response_ids, attention_mask=mask, position_ids=positions(mask)[:, prompt_ids.shape[1] :])
+    if value:
+        resp, _ = model(**rest, cache=cache, keep_cache=True)
+    else:
+        resp = model(**rest, use_cache=True, **{cache_kwarg(model): cache}).logits
+    return last[groups], resp
+
+
+def response_logprobs(
+    model: nn.Module,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    *,
+    with_entropy: bool = False,
+    groups: torch.Tensor | None = None,
+):
     """Teacher-forced log-probabilities ``[N, R]`` of the response tokens (and
-    their per-token entropy when asked)."""
-    ids, mask, pos = join(prompt_ids, prompt_mask, response_ids, response_mask)
+    their per-token entropy when asked). With ``groups`` (:func:`prompt_groups`) each distinct
+    prompt is computed once (:func:`shared_prompt_pass`)."""
     p, r = prompt_ids.shape[1], response_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-    logits = logits[:, p - 1 : p + r - 1]
+    if groups is not None:
+        last, resp = shared_prompt_pass(model, prompt_ids, prompt_mask, response_ids, response_mask, groups, value=False)
+        logits = torch.cat([last, resp[:, : r - 1]], dim=1)
+    else:
+        ids, mask, pos = join(prompt_ids, prompt_mask, response_ids, response_mask)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        logits = logits[:, p - 1 : p + r - 1]
     lp = token_logprobs(logits, response_ids)
     if not with_entropy:
         return lp
@@ -286,11 +377,23 @@ def response_logprobs(model: nn.Module, prompt_ids, prompt_mask, response_ids, r
 
 
 def response_values(
-    model: ValueModel, prompt_ids, prompt_mask, response_ids, response_mask, *, at_tokens: bool = False
+    model: ValueModel,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    *,
+    at_tokens: bool = False,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Value estimates ``[N, R]``: a critic's value of the state before each response token, or
     with ``at_tokens`` the head's output at each response token itself (a reward model scores a
-    sequence at its last token, as transformers' sequence classifiers do)."""
+    sequence at its last token, as transformers' sequence classifiers do). With ``groups`` each
+    distinct prompt is computed once (:func:`shared_prompt_pass`)."""
+    if groups is not None:
+        last, resp = shared_prompt_pass(model, prompt_ids, prompt_mask, response_ids, response_mask, groups, value=True)
+        r = response_ids.shape[1]
+        return (resp if at_tokens else torch.cat([last, resp[:, : r - 1]], dim=1)).float()
     ids, mask, pos = join(prompt_ids, prompt_mask, response_ids, response_mask)
     p, r = prompt_ids.shape[1], response_ids.shape[1]
     v = model(input_ids=ids, attention_mask=mask, position_ids=pos)

@@ -294,14 +294,20 @@ def _workload(plan: Plan) -> WorkloadSpec:
     return WorkloadSpec(**plan.workload)
 
 
-MICRO_ARGS = ("micro", "micro_tokens", "micro_overhead")
+MICRO_ARGS = ("micro", "micro_tokens", "micro_overhead", "share_prompts")
 
 
 def micro_args(layout: Layout, overhead_tokens: float = 0.0) -> dict[str, float]:
     """How a forward or update op cuts its rows into micro-batches: ``micro`` rows, or with
     ``micro_tokens`` a token budget (rows binned by length; see ``backends.training``), split
     further where that saves more padding than a micro-batch's fixed cost
-    (``micro_overhead`` tokens; 0: fill each micro-batch up to the budget)."""
+    (``micro_overhead`` tokens; 0: fill each micro-batch up to the budget), computing each
+    distinct prompt once where the layout ``share_prompts`` and that saves more than a pass."""
     # the plan prices budgets and fixed costs per device; a replica's rows are whole (cp ranks split each row)
     cp = layout.cp
-    return {"micro": layout.micro_batch, "micro_tokens": layout.micro_tokens * cp, "micro_overhead": overhead_tokens * cp}
+    return {
+        "micro": layout.micro_batch,
+        "micro_tokens": layout.micro_tokens * cp,
+        "micro_overhead": overhead_tokens * cp,
+        "share_prompts": layout.share_prompts,
+    }

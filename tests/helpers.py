@@ -127,3 +127,25 @@ def random_rollout(n: int = 8, seed: int = 0):
     rmask = torch.ones(n, r, dtype=torch.bool)
     rmask[::2, 3] = False
     return Rollout(ids, torch.ones(n, p, dtype=torch.bool), rids, rmask, torch.zeros(n, r)), torch.randn(n, generator=g)
+
+
+def fsdp2_engine(layout: Any = None, lr: float = 1e-4):
+    """The shipped tiny policy on fsdp2 in fp32 under the shared training loop (one process, or
+    this rank of a pool the caller set up)."""
+    from flowc.ir.plan import Layout
+    from flowc.ir.run_config import OptimConfig
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
+    from flowc.runtime.backends.training import TrainEngine
+    from flowc.tasks.arithmetic import asset_dir
+
+    init = EngineInit(
+        role="actor",
+        kind="policy",
+        source=str(asset_dir()),
+        layout=layout or Layout(),
+        dtype="float32",
+        seed=0,
+        optim=OptimConfig(lr=lr),
+    )
+    return TrainEngine(Fsdp2Trainer(init))

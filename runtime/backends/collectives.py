@@ -41,6 +41,17 @@ def world() -> tuple[int, int]:
     return 1, 0
 
 
+def all_true(flags: list[bool], group: Any = None) -> list[bool]:
+    """Each flag true on every rank of ``group`` (the whole pool by default): ranks that must
+    run the same passes agree on them."""
+    size, _ = world()
+    if size == 1 or not flags:
+        return flags
+    t = torch.tensor([float(f) for f in flags], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v) for v in t.tolist()]
+
+
 def allreduce(x: float, op: str = "sum", group: Any = None) -> float:
     """``x`` summed (or maxed) over the ranks of ``group`` (the whole pool by default)."""
     size, _ = world()

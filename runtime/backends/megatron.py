@@ -240,10 +240,13 @@ class MegatronTrainer:
     def dp_sum(self, x: float) -> float:
         return allreduce(x, group=self.dp_group)
 
-    def run(self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool) -> list[dict[str, Any]] | None:
+    def run(
+        self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool, groups: list[torch.Tensor | None] | None = None
+    ) -> list[dict[str, Any]] | None:
         """Megatron's schedule over the micro-batches; ``fn`` runs on the last stage. Megatron
         divides each loss by the micro-batch count and averages gradients over the replicas,
-        so the objective is scaled back by both."""
+        so the objective is scaled back by both. It packs its own sequences and never computes
+        a shared prompt once (``groups`` is never set: it has no ``shares_prompts``)."""
         activate(self.key)
         scale = float(len(parts) * self.dp)
 

@@ -31,6 +31,7 @@ from flowc.ir.ops import RoleKind
 from flowc.ir.run_config import OptimConfig
 from flowc.runtime.backends import Score, Trainer, built_backend
 from flowc.runtime.batches import even_split, num_rows, slice_rows, take_rows
+from flowc.runtime.modeling import prompt_groups
 
 # statistics a micro-batch reports as its share of the mini-batch's loss (divided by the whole
 # mini-batch's denominator): they add up over micro-batches, where the others are averaged
@@ -73,7 +74,7 @@ def chunk_ranges(rows: int, k: int, unit: int = 1) -> Iterator[tuple[int, int]]:
         yield lo * unit, hi * unit
 
 
-def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0) -> list[torch.Tensor]:
+def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0, share: bool = False) -> list[torch.Tensor]:
     """Rows of ``r`` in micro-batches of at most ``budget`` padded tokens each: a micro-batch
     costs its rows × the prompt and response width it keeps once trimmed. Rows are taken
     longest response first (then longest prompt), so each micro-batch holds rows of similar
@@ -83,7 +84,9 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0) ->
     With ``overhead`` (a micro-batch's fixed cost, in padded tokens of compute) the cuts
     minimise padded tokens + ``overhead`` × micro-batches (an exact dynamic programme over the
     sorted rows, up to ``MAX_CUT_ROWS`` units); without it each micro-batch is filled up to the
-    budget."""
+    budget. With ``share`` (the backend computes a prompt once for the rows that share it, see
+    :func:`shares_prompt`) a micro-batch's prompt tokens are the cheaper of every row's and its
+    distinct prompts' plus one more pass (``overhead``), and the cuts weigh that too."""
     n = num_rows(r) // unit
     if n == 0:
         return []
@@ -91,10 +94,11 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0) ->
     q = r.present.long().sum(-1).clamp(min=1).view(n, unit).amax(1).tolist()
     order = sorted(range(n), key=lambda i: (-q[i], -p[i], i))
     one = n * unit * (max(p) + max(q))
-    if one <= budget and one - unit * sum(p[i] + q[i] for i in range(n)) <= overhead:
+    prompt = prompt_groups(r.prompt_ids, r.prompt_mask).view(n, unit)[:, 0].tolist() if share else None
+    if prompt is None and one <= budget and one - unit * sum(p[i] + q[i] for i in range(n)) <= overhead:
         groups = [order]  # all the padding there is costs less than one more micro-batch: no cut can pay
-    elif 0 < overhead and n <= MAX_CUT_ROWS:
-        groups = _cheapest_cuts(order, p, q, budget, unit, overhead)
+    elif (0 < overhead or prompt is not None) and n <= MAX_CUT_ROWS:
+        groups = _cheapest_cuts(order, p, q, budget, unit, overhead, prompt)
     else:
         groups = _filled(order, p, q, budget, unit)
     return [torch.tensor([u * unit + j for u in sorted(g) for j in range(unit)], dtype=torch.long) for g in groups]
@@ -119,10 +123,14 @@ def _filled(order: list[int], p: list[int], q: list[int], budget: int, unit: int
     return bins
 
 
-def _cheapest_cuts(order: list[int], p: list[int], q: list[int], budget: int, unit: int, overhead: float) -> list[list[int]]:
+def _cheapest_cuts(
+    order: list[int], p: list[int], q: list[int], budget: int, unit: int, overhead: float, prompt: list[int] | None = None
+) -> list[list[int]]:
     """Contiguous runs of the sorted rows, each within the budget (or one unit), minimising
     padded tokens + ``overhead`` per run. A run starting at sorted row ``i`` is as wide as
-    that row's response (the longest) plus its longest prompt."""
+    that row's response (the longest) plus its longest prompt. With ``prompt`` (each unit's
+    prompt number) a run's prompts may be computed once per distinct prompt, for one more
+    ``overhead`` (:func:`shares_prompt`)."""
     n = len(order)
     best = [0.0] + [math.inf] * n  # best[j]: the cheapest cuts of the first j sorted rows
     start = [0] * (n + 1)
@@ -130,9 +138,15 @@ def _cheapest_cuts(order: list[int], p: list[int], q: list[int], budget: int, un
         if best[i] == math.inf:
             continue
         wq, wp = q[order[i]], 0
+        seen: set[int] = set()
         for j in range(i + 1, n + 1):
             wp = max(wp, p[order[j - 1]])
-            padded = (j - i) * unit * (wp + wq)
+            rows = (j - i) * unit
+            prompts = rows * wp
+            if prompt is not None:
+                seen.add(prompt[order[j - 1]])
+                prompts = min(prompts, len(seen) * wp + overhead)
+            padded = rows * wq + prompts
             if padded > budget and j > i + 1:
                 break
             cost = best[i] + overhead + padded
@@ -143,6 +157,19 @@ def _cheapest_cuts(order: list[int], p: list[int], q: list[int], budget: int, un
         runs.append(order[start[j] : j])
         j = start[j]
     return runs[::-1]
+
+
+def shares_prompt(part: Rollout, overhead: float) -> torch.Tensor | None:
+    """The prompt groups of a micro-batch (:func:`~flowc.runtime.modeling.prompt_groups`) when
+    computing each distinct prompt once pays: the prompt tokens it saves, ``(rows − distinct) ×
+    width``, exceed ``overhead`` (a pass's fixed cost in tokens of compute, the plan's
+    micro-batch cost: the shared prompt is a pass of its own). None: one pass over every row."""
+    rows, width = part.prompt_ids.shape
+    if rows < 2:
+        return None
+    groups = prompt_groups(part.prompt_ids, part.prompt_mask)
+    distinct = int(groups.max()) + 1
+    return groups if (rows - distinct) * width > overhead else None
 
 
 def minibatch_bounds(role: str, mini_sizes: list[int], rows: int) -> list[tuple[int, int]]:
@@ -222,53 +249,70 @@ class TrainEngine:
         self.init = backend.init
         self.updates = 0
         self.micro_batches = 0  # of the last op: what the plan's micro_batch made of this replica's rows
+        self.shared_prompts = 0  # of those, the micro-batches that computed each distinct prompt once
 
     # -------------------------------------------------------- micro-batches
     def split(
-        self, r: Rollout, micro: int, unit: int = 1, tokens: int = 0, overhead: float = 0.0
-    ) -> tuple[list[Rollout], list[torch.Tensor]]:
+        self, r: Rollout, micro: int, unit: int = 1, tokens: int = 0, overhead: float = 0.0, share: bool = False
+    ) -> tuple[list[Rollout], list[torch.Tensor], list[torch.Tensor | None]]:
         """This replica's rows in micro-batches, padding trimmed: ``micro`` rows each in order,
         or with a token budget ``tokens`` binned by length (:func:`token_bins`, with a
         micro-batch's fixed cost of ``overhead`` tokens). Their count is
         agreed by every rank of the pool (a replica with fewer runs one-row padding
-        micro-batches). Returns the micro-batches and the rows of ``r`` each holds (empty
-        for padding)."""
+        micro-batches). Returns the micro-batches, the rows of ``r`` each holds (empty
+        for padding), and for each its prompt groups when the backend computes each distinct
+        prompt once there (with ``share``, the plan's ``share_prompts``, where the backend can
+        and it pays on every rank of the pool: :func:`shares_prompt`; None: one pass over every
+        row)."""
         rows = num_rows(r)
+        share = share and self.shares_prompts
         if tokens:
-            bins = token_bins(r, tokens, unit, overhead)
+            bins = token_bins(r, tokens, unit, overhead, share=share)
         else:
             k = max(1, math.ceil(rows // unit / max(1, micro // unit)))
             bins = [torch.arange(lo, hi) for lo, hi in chunk_ranges(rows, k, unit)]
         k = self.b.agree(max(1, len(bins)))
         bins += [torch.arange(0)] * (k - len(bins))
         parts = [trim(take_rows(r, idx) if len(idx) else slice_rows(r, 0, unit)) for idx in bins]
+        groups = [shares_prompt(part, overhead) if share and len(idx) else None for part, idx in zip(parts, bins, strict=True)]
+        if share:  # the ranks of a sharded pool gather the same layers the same times: every rank shares, or none
+            agreed = self.b.agree_flags([g is not None for g in groups])
+            groups = [g if ok else None for g, ok in zip(groups, agreed, strict=True)]
         self.micro_batches = k
-        return parts, bins
+        self.shared_prompts = sum(g is not None for g in groups)
+        return parts, bins, groups
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether the backend can compute a prompt once for the rows that share it."""
+        return bool(getattr(self.b, "shares_prompts", False))
 
     # -------------------------------------------------------------- forward
     def probe(self, r: Rollout) -> torch.Tensor | None:
         """The weight sync check's probe scored as :meth:`forward` scores rows, leaving the engine
         as the step's ops left it: the micro-batches :meth:`describe` reports, and FSDP2's
         parameters resharded (a forward-only call keeps the root's gathered in the compute dtype)."""
-        kept = self.micro_batches
+        kept = self.micro_batches, self.shared_prompts
         try:
             return self.forward(r, 1)
         finally:
-            self.micro_batches = kept
+            self.micro_batches, self.shared_prompts = kept
             reshard = getattr(self.b.model, "reshard", None)
             if callable(reshard):
                 reshard()
 
     @torch.no_grad()
-    def forward(self, r: Rollout, micro: int, tokens: int = 0, overhead: float = 0.0) -> torch.Tensor | None:
+    def forward(
+        self, r: Rollout, micro: int, tokens: int = 0, overhead: float = 0.0, share_prompts: bool = False
+    ) -> torch.Tensor | None:
         """Log-probabilities (policy, reference) or values (critic) ``[n, R]`` of the rows, or a
         reward model's scores ``[n]`` (its value at the last response token); None on ranks
         whose outputs the controller does not keep."""
         width = r.response_ids.shape[1]
-        parts, bins = self.split(r, micro, tokens=tokens, overhead=overhead)
+        parts, bins, groups = self.split(r, micro, tokens=tokens, overhead=overhead, share=share_prompts)
         real = [len(idx) for idx in bins]
         # each micro-batch's outputs leave the device as soon as they exist (the rest of the batch runs beside them)
-        got = self.b.run(parts, real, lambda i, part, score: (None, {"out": _host(score(False))}), train=False)
+        got = self.b.run(parts, real, lambda i, part, score: (None, {"out": _host(score(False))}), train=False, groups=groups)
         if got is None:
             return None
         scores = self.init.kind == RoleKind.REWARD_MODEL
@@ -301,6 +345,7 @@ class TrainEngine:
         micro: int,
         micro_tokens: int = 0,
         micro_overhead: float = 0.0,
+        share_prompts: bool = False,
         behaviour: bool = False,
     ) -> dict[str, float]:
         """Optimizer updates over this replica's rows: ``mini_sizes[k]`` rows (in order) belong
@@ -326,7 +371,7 @@ class TrainEngine:
                 ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
                 local = float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)
                 denom = max(self.b.dp_sum(local), 1.0)  # every row of the mini-batch once: replicas hold disjoint rows
-                parts, bins = self.split(mb, micro, unit, micro_tokens, micro_overhead)
+                parts, bins, groups = self.split(mb, micro, unit, micro_tokens, micro_overhead, share_prompts)
                 real = [len(idx) for idx in bins]
 
                 first = epoch == 0 and mini == 0
@@ -342,7 +387,7 @@ class TrainEngine:
                     )
 
                 self.b.zero_grad()
-                got = self.b.run(parts, real, fn, train=True) or []
+                got = self.b.run(parts, real, fn, train=True, groups=groups) or []
                 lr = lr_at(cfg, self.updates, self.init.total_updates)
                 norm_sum += self.b.step(lr) * (mhi - mlo)
                 self.updates += 1
@@ -407,6 +452,7 @@ class TrainEngine:
             "sharded": any(hasattr(p, "to_local") for p in params),
             "trains": self.init.optim is not None,
             "micro_batches": self.micro_batches,
+            "shared_prompts": self.shared_prompts,
         }
         if held != out["dtype"]:
             out["master_dtype"] = held

@@ -12,15 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import fsdp2_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowc.ir.functional import Rollout
 from flowc.ir.losses import ppo_clip
 from flowc.ir.plan import Layout
-from flowc.ir.run_config import OptimConfig
 from flowc.runtime.backends.training import token_bins
-from flowc.tasks.arithmetic import asset_dir
 
 
 def rollout(prompt_lens: list[int], response_lens: list[int], p: int = 8, r: int = 10, seed: int = 0) -> Rollout:
@@ -92,20 +91,7 @@ def test_short_rows_share_a_micro_batch_and_padding_shrinks():
 
 # ----------------------------------------------------- the loop, one process
 def _engine(layout: Layout | None = None, lr: float = 1e-4):
-    from flowc.runtime.backends import EngineInit
-    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
-    from flowc.runtime.backends.training import TrainEngine
-
-    init = EngineInit(
-        role="actor",
-        kind="policy",
-        source=str(asset_dir()),
-        layout=layout or Layout(),
-        dtype="float32",
-        seed=0,
-        optim=OptimConfig(lr=lr),
-    )
-    return TrainEngine(Fsdp2Trainer(init))
+    return fsdp2_engine(layout, lr)
 
 
 def _batch():

@@ -149,13 +149,15 @@ def test_a_pinned_gpu_memory_utilization_bounds_the_engine_and_its_cache():
         pins=parse_pins([*together, f"actor.generate.gpu_memory_utilization={util}"]).merged(stays),
     )
     assert ok.phase("actor", "generate").gpu_memory_utilization == util
+    # (offloaded, the co-located roles would keep nothing on the device: the share would fit)
+    resident = ["actor.train.offload_params=false", "ref.forward.offload_params=false"]
     with pytest.raises(InfeasibleError, match="no co-location fits on 8 devices"):
         plan_of(
             "grpo",
             "qwen2.5-7b",
             "1x8xH100",
             workload=w,
-            pins=parse_pins([*together, "actor.generate.gpu_memory_utilization=0.95"]).merged(stays),
+            pins=parse_pins([*together, *resident, "actor.generate.gpu_memory_utilization=0.95"]).merged(stays),
         )
     with pytest.raises(SpecError, match="only a generation engine has one"):
         parse_pin("actor.train.gpu_memory_utilization=0.5")
