@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from flowc.errors import SpecError
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.ir.workload import WorkloadSpec
@@ -213,6 +214,11 @@ class OptionTable:
         dem = self.demand[u.update_op or u.ops[-1]]
         longest = dem.prompt_len + dem.response_len
         out = []
+        if share and dem.group < 2:
+            raise SpecError(
+                f"{u.role}: share_prompts is pinned, but the rows its {u.name} ops read do not share prompts (one sample per prompt)",
+                fix=f"drop the pin {u.role}.PHASE.share_prompts=true",
+            )
         for lay in layouts:
             can = lay.backend == "fsdp2" and not lay.activation_checkpointing and dem.group > 1
             lay = lay.model_copy(update={"share_prompts": can if share is None else share and can})

@@ -81,7 +81,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     wb = m.bytes_per_param  # compute dtype: activations, gathered weights
     gathers = lay.fsdp and lay.dp * lay.cp > 1  # all-gather fwd + bwd (compute dtype) every micro-batch and pass
     per_mb = gather_time(ps_full.total * wb, lay.dp * lay.cp, dp_bw, 0.0) * 2 + 2 * groups * hw.latency if gathers else 0.0
-    compute = compute_of(padded)
+    compute = plain = compute_of(padded)
     # shared prompts: each distinct prompt once, for one more pass per micro-batch (its dispatch, forward
     # and backward, and FSDP's gathers)
     extra = (3.0 * m.num_layers / lay.pp * hw.layer_overhead + per_mb) * mbs * d.updates
@@ -170,7 +170,8 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         "shared_prompts": saved,
     }
     per_micro = (launch - one_pass * (passes - 1) + offload) / (mbs * d.updates) + per_mb  # one pass's
-    return PhaseCost(total, mem, resident, mfu, 1, detail, host_state_gb(m, lay), _in_tokens(per_micro, compute, tokens_per_rank))
+    # the fixed cost in tokens of one pass's compute, which is what the runtime weighs it against
+    return PhaseCost(total, mem, resident, mfu, 1, detail, host_state_gb(m, lay), _in_tokens(per_micro, plain, tokens_per_rank))
 
 
 MASTER_CAST_BYTES = 16.0  # per trained parameter and micro-batch, forward cast and gradient accumulation
@@ -207,7 +208,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     mbs = _micro_batches(seqs_per_dp, lay, padded)
     t_micro = _tokens_per_micro(lay, padded, seqs_per_dp, d.prompt_len + d.response_len)
     eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
-    compute = forward_flops(m, d.tokens * padded / d.seq_len, padded) / (devices * hw.peak * eff)
+    compute = plain = forward_flops(m, d.tokens * padded / d.seq_len, padded) / (devices * hw.peak * eff)
     wb = m.bytes_per_param  # compute dtype: activations, gathered weights
     ps_full = params_per_device(m, lay, sharded_over_dp=False)
     gathers = lay.fsdp and lay.dp * lay.cp > 1
@@ -274,7 +275,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
         host,
         _in_tokens(
             (launch - layers * hw.layer_overhead * mbs * (passes - 1)) / mbs + per_mb + (0.0 if frozen else offload / mbs),
-            compute,
+            plain,
             tokens_per_rank,
         ),
     )

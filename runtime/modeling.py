@@ -302,14 +302,21 @@ def first_rows(groups: torch.Tensor) -> torch.Tensor:
 def can_share_prompts(model: nn.Module) -> bool:
     """Whether :func:`shared_prompt_pass` can run ``model``: a decoder whose every layer keeps a
     full KV cache (no sliding window), and no activation checkpointing (HF turns the cache off
-    under it)."""
+    under it), no sliding or chunked attention window, and no dropout."""
     lm = getattr(model, "trunk", model)
     cfg = getattr(lm, "config", None)
     if cfg is None or getattr(lm, "is_gradient_checkpointing", False):
         return False
     text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
     types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    return types == {"full_attention"} and not getattr(text, "use_sliding_window", False)
+    # a sliding window: Qwen2 says whether it uses its own; others (Mistral) use theirs whenever set
+    window = getattr(text, "use_sliding_window", getattr(text, "sliding_window", None) is not None)
+    chunked = getattr(text, "attention_chunk_size", None) is not None
+    # dropout (the attention's, LoRA's) would draw one mask on a prompt for all its rows, not one per row
+    dropout = float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0 or any(
+        isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()
+    )
+    return types == {"full_attention"} and not window and not chunked and not dropout
 
 
 def _expand_cache(cache: object, rows: torch.Tensor) -> object:

@@ -128,7 +128,9 @@ class Fsdp2Trainer:
         return allreduce(x)
 
     def agree_flags(self, flags: list[bool]) -> list[bool]:
-        return all_true(flags)
+        """Sharded parameters are gathered once per pass on every rank: the ranks share a
+        micro-batch's prompts together or not at all (replicas run on their own)."""
+        return all_true(flags) if self.init.layout.fsdp else flags
 
     @property
     def shares_prompts(self) -> bool:
@@ -273,6 +275,9 @@ class Fsdp2Trainer:
             set_model_state_dict(self.model, state["model"])
         if self.opt is not None:
             set_optimizer_state_dict(self.model, self.opt, state["optim"])
+            kernel = adam_kernel([p for g in self.opt.param_groups for p in g["params"]])
+            for g in self.opt.param_groups:  # a checkpoint's groups carry the kernel flags they were saved with
+                g.update(fused=kernel.get("fused"), foreach=kernel.get("foreach"))
 
     def export_hf(self, path: str, tokenizer: str | None) -> None:
         """The trained model in HF format (rank 0 writes); with LoRA, the merged model, and for

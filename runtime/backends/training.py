@@ -95,9 +95,13 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0, sh
     order = sorted(range(n), key=lambda i: (-q[i], -p[i], i))
     one = n * unit * (max(p) + max(q))
     prompt = prompt_groups(r.prompt_ids, r.prompt_mask).view(n, unit)[:, 0].tolist() if share else None
-    if prompt is None and one <= budget and one - unit * sum(p[i] + q[i] for i in range(n)) <= overhead:
-        groups = [order]  # all the padding there is costs less than one more micro-batch: no cut can pay
-    elif (0 < overhead or prompt is not None) and n <= MAX_CUT_ROWS:
+    if prompt is not None:  # a prompt's rows of one length next to each other: the cuts are contiguous runs
+        order = sorted(range(n), key=lambda i: (-q[i], -p[i], prompt[i], i))
+    if one <= budget and one - unit * sum(p[i] + q[i] for i in range(n)) <= overhead:
+        # all the padding there is costs less than one more micro-batch: no cut can pay (nor share more
+        # prompts than one micro-batch of every row does, for one extra pass instead of several)
+        groups = [order]
+    elif 0 < overhead and n <= MAX_CUT_ROWS:
         groups = _cheapest_cuts(order, p, q, budget, unit, overhead, prompt)
     else:
         groups = _filled(order, p, q, budget, unit)
@@ -147,7 +151,7 @@ def _cheapest_cuts(
                 seen.add(prompt[order[j - 1]])
                 prompts = min(prompts, len(seen) * wp + overhead)
             padded = rows * wq + prompts
-            if padded > budget and j > i + 1:
+            if rows * (wp + wq) > budget and j > i + 1:  # memory: a micro-batch may still run unshared (ranks agree)
                 break
             cost = best[i] + overhead + padded
             if cost < best[j]:

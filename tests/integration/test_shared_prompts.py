@@ -162,6 +162,19 @@ def test_cuts_weigh_the_prompts_sharing_saves():
     assert shares_prompt(r, overhead=20.0) is not None
 
 
+def test_cuts_keep_the_budget_for_a_micro_batch_that_runs_unshared():
+    # 8 samples of one 8-token prompt, responses of 2: shared, all 8 rows would cost 8·2 + 8 + 1 = 25
+    # tokens of compute, but a micro-batch may still run unshared (its ranks must agree), 80 tokens
+    r = grouped([8], 8, [2] * 8)
+    for bins in (token_bins(r, 40, 1, overhead=1.0), token_bins(r, 40, 1, overhead=1.0, share=True)):
+        assert [len(b) for b in bins] == [4, 4]
+
+
+def test_without_a_fixed_cost_sharing_leaves_the_bins_alone():
+    r = grouped([8] * 8, 1, [1, 2, 3, 4, 5, 6, 7, 8])  # the sync check's probe passes no fixed cost
+    assert [b.tolist() for b in token_bins(r, 1000, 1, share=True)] == [b.tolist() for b in token_bins(r, 1000, 1)]
+
+
 # ------------------------------------------------------------- the loop, one process
 def _engine(layout: Layout | None = None, lr: float = 1e-4):
     return fsdp2_engine(layout, lr)
@@ -185,6 +198,19 @@ def _update(eng, r, adv, old, **micro):
         epochs=1,
         **micro,
     )
+
+
+def test_a_resumed_optimizer_keeps_the_fused_kernel():
+    eng = _engine()
+    r, adv, old = _batch()
+    _update(eng, r, adv, old, micro=16)
+    assert all(g["fused"] for g in eng.b.opt.param_groups)
+    state = eng.b.state()
+    for g in state["optim"]["param_groups"]:  # as a checkpoint written before the fused kernel was chosen
+        g["fused"] = g["foreach"] = None
+    again = _engine()
+    again.b.load_state(state)
+    assert all(g["fused"] for g in again.b.opt.param_groups)
 
 
 @pytest.mark.parametrize("tokens", [0, 90])

@@ -118,6 +118,20 @@ def test_pin_errors_name_the_problem():
     assert "pins" in info.value.fix
 
 
+def test_shared_prompts_are_planned_where_they_pay_and_pins_that_cannot_apply_are_refused():
+    w = WorkloadSpec(prompts=64, prompt_len=2048, response_len=512)
+    fsdp2 = ["actor.train.backend=fsdp2"]
+    plan, _, _ = plan_of("grpo", "qwen2.5-1.5b", "1x8xH100", workload=w, pins=parse_pins(fsdp2))
+    assert plan.phase("actor", "train").layout.share_prompts  # 2048-token prompts, 8 samples each
+    assert any("each prompt computed once for the 8 rows" in line for line in plan.why)
+    pins = parse_pins([*fsdp2, "actor.train.share_prompts=false"])
+    off, _, _ = plan_of("grpo", "qwen2.5-1.5b", "1x8xH100", workload=w, pins=pins)
+    assert off.predicted.step_time_s > plan.predicted.step_time_s
+    assert not off.phase("actor", "train").layout.share_prompts
+    with pytest.raises(SpecError, match="do not share prompts"):
+        plan_of("ppo", "qwen2.5-1.5b", "1x8xH100", pins=parse_pins(["critic.train.share_prompts=true"]))
+
+
 def test_a_pinned_gpu_memory_utilization_bounds_the_engine_and_its_cache():
     w = WorkloadSpec(prompts=64, response_len=2048, mean_response_len=600)
     free, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", workload=w)
