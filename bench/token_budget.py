@@ -1,7 +1,7 @@
 """Do token-budget micro-batches pay? flowc's update with one padded micro-batch against the
 planner's token budget and length-aware cuts, side by side.
 
-    python bench/token_budget.py [--sizes tiny,mid] [--rounds 3] [--iters 6]
+    python bench/token_budget.py [--sizes tiny,mid] [--rounds 3] [--iters 6] [--interleave]
 
 The workload is bench/grpo_vs_trl's (64 rows, an 8-token prompt, up to 24 response tokens)
 with the response lengths a flowc run of the 34 M random model produced (36 % of responses
@@ -73,22 +73,12 @@ def planned(model: str, dtype: str) -> dict:
     return {"micro_tokens": ph["layout"]["micro_tokens"], "overhead": ph["micro_overhead_tokens"]}
 
 
-def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead: float) -> dict:
-    """(In a fresh process) ``iters`` updates of the bench's batch under one micro-batching mode."""
+def batch():
+    """The bench's rollout (8 prompts × 8 samples, the lengths of :func:`lengths`), advantages and masks."""
     import torch
 
     from flowc.ir.functional import Rollout
-    from flowc.ir.losses import ppo_clip
-    from flowc.ir.plan import Layout
-    from flowc.ir.run_config import OptimConfig
-    from flowc.runtime.backends import EngineInit
-    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
-    from flowc.runtime.backends.training import TrainEngine, shares_prompt, token_bins, trim
-    from flowc.runtime.batches import take_rows
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    init = EngineInit(role="actor", kind="policy", source=model, layout=Layout(), dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
-    eng = TrainEngine(Fsdp2Trainer(init))
     p, q = lengths()
     g = torch.Generator().manual_seed(0)
     pmask = torch.zeros(ROWS, PROMPT, dtype=torch.bool)
@@ -103,7 +93,67 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
         rmask,
         torch.zeros(ROWS, RESPONSE),
     )
-    adv = torch.randn(ROWS, generator=g)
+    return r, torch.randn(ROWS, generator=g), pmask, rmask
+
+
+def interleaved(model: str, dtype: str, iters: int, budget: int, overhead: float) -> dict:
+    """(In a fresh process) the planner's cuts without and with shared prompts, update after
+    update in one process (so the machine's drift hits both alike): median ms of each."""
+    import torch
+
+    from flowc.ir.losses import ppo_clip
+    from flowc.ir.plan import Layout
+    from flowc.ir.run_config import OptimConfig
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
+    from flowc.runtime.backends.training import TrainEngine
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    init = EngineInit(role="actor", kind="policy", source=model, layout=Layout(), dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
+    eng = TrainEngine(Fsdp2Trainer(init))
+    r, adv, _, _ = batch()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    shared = 0
+    for i in range(2 * iters + 2):
+        share = bool(i % 2)
+        t = time.perf_counter()
+        eng.update(
+            r,
+            {"advantages": adv},
+            loss=ppo_clip(0.2),
+            kl_coef=0.0,
+            kl_kind="k1",
+            entropy_coef=0.0,
+            mini_sizes=[ROWS],
+            epochs=1,
+            micro=ROWS,
+            micro_tokens=budget,
+            micro_overhead=overhead,
+            share_prompts=share,
+        )
+        if i >= 2:  # the first of each is warm-up
+            times[share].append(time.perf_counter() - t)
+        shared = max(shared, eng.shared_prompts)
+    cuts, with_share = (statistics.median(times[k]) * 1e3 for k in (False, True))
+    return {"cuts_ms": cuts, "shared_ms": with_share, "ratio": with_share / cuts, "shared": shared}
+
+
+def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead: float) -> dict:
+    """(In a fresh process) ``iters`` updates of the bench's batch under one micro-batching mode."""
+    import torch
+
+    from flowc.ir.losses import ppo_clip
+    from flowc.ir.plan import Layout
+    from flowc.ir.run_config import OptimConfig
+    from flowc.runtime.backends import EngineInit
+    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
+    from flowc.runtime.backends.training import TrainEngine, shares_prompt, token_bins, trim
+    from flowc.runtime.batches import take_rows
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    init = EngineInit(role="actor", kind="policy", source=model, layout=Layout(), dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
+    eng = TrainEngine(Fsdp2Trainer(init))
+    r, adv, pmask, rmask = batch()
     kw = {
         "rows": {"micro": ROWS},
         "cuts": {"micro": ROWS, "micro_tokens": budget, "micro_overhead": overhead},
@@ -162,6 +212,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument(
+        "--interleave", action="store_true", help="only cuts against shared prompts, update after update in one process"
+    )
     args = ap.parse_args()
     from run import model_dir  # bench/grpo_vs_trl/run.py
 
@@ -173,6 +226,15 @@ def main() -> None:
         model = model_dir(size, cache)
         for dtype in args.dtypes.split(","):
             pl = in_fresh_process("token_budget", "planned", model, dtype)
+            if args.interleave:
+                for _ in range(args.rounds):
+                    x = in_fresh_process(
+                        "token_budget", "interleaved", model, dtype, args.iters, pl["micro_tokens"], pl["overhead"]
+                    )
+                    print(
+                        f"| {size} | {dtype} | {x['cuts_ms']:.0f} | {x['shared_ms']:.0f} ({x['shared']} shared) | {x['ratio']:.2f}× |"
+                    )
+                continue
             got: dict[str, list[dict]] = {m: [] for m in modes}
             for _ in range(args.rounds):
                 for mode in modes:
@@ -199,6 +261,8 @@ def main() -> None:
                     )
                 )
                 print(json.dumps(rows[-1]), flush=True)
+    if args.interleave:
+        return
     real = sum(a + b for a, b in zip(*lengths(), strict=True))
     print()
     print(
