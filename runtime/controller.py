@@ -351,6 +351,9 @@ class Controller:
         """The sync's probe check (``runtime.sync_check``); None when the run does not check."""
         if self._probe is None:
             return None
+        if metas and all(m.get("aliased") for m in metas):  # the engine runs the trainer's storage itself
+            self._checks[st.node].last = None
+            return 0.0
         trainer = self._trainer_probe.pop(st.node, None) or first(metas, "probe_trainer")
         return self._checks[st.node](step, trainer, first(metas, "probe_engine"))
 
@@ -573,7 +576,8 @@ class Controller:
 
     def _sync_local(self, st: Step) -> list[Any]:
         wg, _ = self._group_of(st.engine)
-        return wg.call("sync_local", st.engine, st.args["to"], self._probe)
+        # lock-step: the rollout engine may run the trainer's own parameters (no copy; see Worker.sync_local)
+        return wg.call("sync_local", st.engine, st.args["to"], self._probe, self.p.staleness == 0)
 
     def _sync_buckets(self, st: Step) -> list[Any]:
         train, _ = self._group_of(st.engine)

@@ -165,12 +165,20 @@ class Worker:
         return None, {"stats": eng.update(r, values, **args)}
 
     # ----------------------------------------------------------------- sync
-    def sync_local(self, src: EngineKey, dst: EngineKey, probe: Rollout | None = None) -> dict[str, Any]:
+    def sync_local(self, src: EngineKey, dst: EngineKey, probe: Rollout | None = None, alias: bool = False) -> dict[str, Any]:
         """Co-located weight sync: the trained weights stream out of the training
         engine (a collective: every rank iterates) into this rank's rollout engine.
-        With a ``probe`` both engines then score it (see ``runtime.sync_check``)."""
+        With a ``probe`` both engines then score it (see ``runtime.sync_check``).
+
+        With ``alias`` (lock-step: the engine never samples while the trainer steps) a rollout
+        engine that can run the trainer's parameters themselves does (``RolloutEngine.alias``):
+        nothing is copied, and the check is that every parameter is the trainer's storage
+        (``aliased``), not a probe."""
         start, t0 = time.time(), time.perf_counter()
         eng = self.engines[src]
+        if dst in self.engines and self.engines[dst].alias(eng.lendable() if alias else None):
+            self._loads[dst] = self._loads.get(dst, 0) + 1
+            return {"bytes": 0.0, "copied": 0.0, "seconds": time.perf_counter() - t0, "start": start, "aliased": True}
         stream = eng.weights()
         copied = self.engines[dst].load(stream) if dst in self.engines else 0.0
         if dst in self.engines:

@@ -27,6 +27,7 @@ class HfRollout:
         self.model.eval()
         self.vocab_size = int(self.model.config.vocab_size)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self.lent = False  # runs a trainer's parameters (see :meth:`alias`)
 
     def sample(
         self, prompts: PromptBatch, *, n: int, sp: SamplingParams, max_tokens: int, seeds: torch.Tensor, eos_id: int, pad_id: int
@@ -57,6 +58,30 @@ class HfRollout:
         missing = sorted(set(own) - got)
         if missing:
             raise DataError(f"{self.init.role}: the weight stream lacked {len(missing)} parameters ({', '.join(missing[:3])}, …)")
+
+    def alias(self, params: dict[str, torch.Tensor] | None) -> bool:
+        """Run the trainer's own parameters (``params``: its plain tensors by HF name, in this
+        process) instead of a copy of them: every optimizer step is in the model at once, with
+        nothing to copy, and the storage itself is the check. True when every parameter of the
+        model is now the one of that name in ``params`` (same shape, dtype and device); otherwise
+        (None, a mismatch) the model runs its own copy again — a sync then copies into it."""
+        own = dict(self.model.named_parameters())
+        names = set(params or ()) - ({"lm_head.weight"} if self.tied else set())
+        fits = params is not None and names == set(own)
+        fits = fits and all(
+            params[n].shape == p.shape and params[n].dtype == p.dtype and params[n].device == p.device for n, p in own.items()
+        )
+        if not fits:
+            if self.lent:  # its own storage again, holding the weights it ran last
+                for p in own.values():
+                    p.data = p.data.clone()
+                self.lent = False
+            return False
+        for n, p in own.items():
+            if p.data_ptr() != params[n].data_ptr():
+                p.data = params[n].data
+        self.lent = True
+        return True
 
     def turns(self, sp: SamplingParams, eos_id: int, pad_id: int, stop_ids: tuple[int, ...]) -> HfTurns:
         """The agent loop's engine (:mod:`flowc.runtime.agent`): the turns waiting at each call, as one batch."""

@@ -176,6 +176,12 @@ class RolloutEngine:
     def logprobs(self, r: Rollout) -> torch.Tensor:
         return self.b.logprobs(r)
 
+    def alias(self, params: dict[str, torch.Tensor] | None) -> bool:
+        """Run a co-located trainer's parameters themselves where the backend can (``hf``, see
+        ``HfRollout.alias``); False: the weights must be loaded (``params`` None: stop aliasing)."""
+        fn = getattr(self.b, "alias", None)
+        return bool(fn(params)) if fn is not None else False
+
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """New weights in one reload; returns the bytes handed over."""
         stream = Counted(weights)

@@ -433,6 +433,19 @@ class TrainEngine:
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.b.weights()
 
+    def lendable(self) -> dict[str, torch.Tensor] | None:
+        """This rank's parameters by HF name, when a rollout engine in this process may run them
+        as they are (:meth:`RolloutEngine.alias`): a causal LM whose parameters are whole plain
+        tensors in the dtype it samples in — no sharding (DTensors), no LoRA (the engine runs the
+        merged weights), no mixed precision (fp32 master weights, bf16 engine). None otherwise."""
+        b = self.b
+        if getattr(b, "lora", None) is not None or getattr(b, "compute", None) is not None or not getattr(b, "lm_head", False):
+            return None
+        params = dict(b.model.named_parameters())
+        if not all(type(p) is torch.nn.Parameter for p in params.values()):
+            return None
+        return params
+
     def state(self) -> dict[str, Any]:
         return {"backend": self.b.state(), "updates": self.updates}
 

@@ -88,7 +88,17 @@ def test_an_inline_controller_syncs_its_rollout_engine_and_names_failures(tmp_pa
         m = ctl.run_step(0)
         assert m["reward"] >= 0 and m["perf/controller_fraction"] < 1
         assert ctl.sync_error("actor") < 1e-5
-        assert m["actor/sync_probe_diff"] < 1e-5  # every sync is checked: the engine scores a probe as the trainer does
+        assert m["actor/sync_probe_diff"] == 0.0  # every sync is checked: here the engine runs the trainer's storage
+        # one process, one dtype, lock-step: the HF engine runs the trainer's parameters themselves (nothing copied)
+        rollout = group.worker.engines[EngineKey("actor", EngineKind.ROLLOUT)].b
+        trainer = group.worker.engines[EngineKey("actor", EngineKind.TRAIN)].b
+        mine = dict(trainer.model.named_parameters())
+        assert rollout.lent and all(p.data_ptr() == mine[n].data_ptr() for n, p in rollout.model.named_parameters())
+        assert m["actor/sync_bytes_per_device"] == 0
+        # and gives them back when asked (a re-plan to staleness > 0): its own copy, the same values
+        assert not group.worker.engines[EngineKey("actor", EngineKind.ROLLOUT)].alias(None) and not rollout.lent
+        for n, p in rollout.model.named_parameters():
+            assert p.data_ptr() != mine[n].data_ptr() and torch.equal(p, mine[n])
         # every run reports how far the engine's sampling log-probabilities are from the trainer's (fp32: rounding)
         assert 0 <= m["actor/mismatch_kl"] < 1e-6 and m["actor/mismatch_abs"] < 1e-4
         with pytest.raises(WorkerError, match=r"rollout_logprobs\(critic/rollout\) failed on worker group .*KeyError"):
@@ -106,8 +116,9 @@ def test_a_sync_the_engine_did_not_take_fails_the_run(tmp_path):
     try:
         ctl.start()
         (group,) = ctl.groups.values()
-        ctl.run_step(0)
         engine = group.worker.engines[EngineKey("actor", EngineKind.ROLLOUT)]
+        engine.alias = lambda params: False  # its own copy of the weights (as a vLLM engine, or a sharded or bf16 trainer, has)
+        ctl.run_step(0)
         engine.load = lambda weights: 0.0  # a broken loader: nothing arrives
         with pytest.raises(
             RuntimeFailure, match=r"actor: after the weight sync of step \d the generation engine does not run"
