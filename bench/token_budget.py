@@ -96,12 +96,10 @@ def batch():
     return r, torch.randn(ROWS, generator=g), pmask, rmask
 
 
-def interleaved(model: str, dtype: str, iters: int, budget: int, overhead: float) -> dict:
-    """(In a fresh process) the planner's cuts without and with shared prompts, update after
-    update in one process (so the machine's drift hits both alike): median ms of each."""
+def engine(model: str, dtype: str):
+    """flowc's shared training loop on fsdp2 in this process (all its cores), as the bench runs it."""
     import torch
 
-    from flowc.ir.losses import ppo_clip
     from flowc.ir.plan import Layout
     from flowc.ir.run_config import OptimConfig
     from flowc.runtime.backends import EngineInit
@@ -110,27 +108,37 @@ def interleaved(model: str, dtype: str, iters: int, budget: int, overhead: float
 
     torch.set_num_threads(os.cpu_count() or 1)
     init = EngineInit(role="actor", kind="policy", source=model, layout=Layout(), dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
-    eng = TrainEngine(Fsdp2Trainer(init))
+    return TrainEngine(Fsdp2Trainer(init))
+
+
+def grpo_update(eng, r, adv, **micro) -> None:
+    """One GRPO update of the batch (clipped surrogate, token-mean), micro-batched as ``micro`` says."""
+    from flowc.ir.losses import ppo_clip
+
+    eng.update(
+        r,
+        {"advantages": adv},
+        loss=ppo_clip(0.2),
+        kl_coef=0.0,
+        kl_kind="k1",
+        entropy_coef=0.0,
+        mini_sizes=[ROWS],
+        epochs=1,
+        **micro,
+    )
+
+
+def interleaved(model: str, dtype: str, iters: int, budget: int, overhead: float) -> dict:
+    """(In a fresh process) the planner's cuts without and with shared prompts, update after
+    update in one process (so the machine's drift hits both alike): median ms of each."""
+    eng = engine(model, dtype)
     r, adv, _, _ = batch()
     times: dict[bool, list[float]] = {False: [], True: []}
     shared = 0
     for i in range(2 * iters + 2):
         share = bool(i % 2)
         t = time.perf_counter()
-        eng.update(
-            r,
-            {"advantages": adv},
-            loss=ppo_clip(0.2),
-            kl_coef=0.0,
-            kl_kind="k1",
-            entropy_coef=0.0,
-            mini_sizes=[ROWS],
-            epochs=1,
-            micro=ROWS,
-            micro_tokens=budget,
-            micro_overhead=overhead,
-            share_prompts=share,
-        )
+        grpo_update(eng, r, adv, micro=ROWS, micro_tokens=budget, micro_overhead=overhead, share_prompts=share)
         if i >= 2:  # the first of each is warm-up
             times[share].append(time.perf_counter() - t)
         shared = max(shared, eng.shared_prompts)
@@ -142,17 +150,10 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
     """(In a fresh process) ``iters`` updates of the bench's batch under one micro-batching mode."""
     import torch
 
-    from flowc.ir.losses import ppo_clip
-    from flowc.ir.plan import Layout
-    from flowc.ir.run_config import OptimConfig
-    from flowc.runtime.backends import EngineInit
-    from flowc.runtime.backends.fsdp2 import Fsdp2Trainer
-    from flowc.runtime.backends.training import TrainEngine, shares_prompt, token_bins, trim
+    from flowc.runtime.backends.training import shares_prompt, token_bins, trim
     from flowc.runtime.batches import take_rows
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    init = EngineInit(role="actor", kind="policy", source=model, layout=Layout(), dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
-    eng = TrainEngine(Fsdp2Trainer(init))
+    eng = engine(model, dtype)
     r, adv, pmask, rmask = batch()
     kw = {
         "rows": {"micro": ROWS},
@@ -180,17 +181,7 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
     padded = sum(tokens(b) for b in bins)
 
     def update() -> None:
-        eng.update(
-            r,
-            {"advantages": adv},
-            loss=ppo_clip(0.2),
-            kl_coef=0.0,
-            kl_kind="k1",
-            entropy_coef=0.0,
-            mini_sizes=[ROWS],
-            epochs=1,
-            **kw,
-        )
+        grpo_update(eng, r, adv, **kw)
 
     update()  # warm-up
     times = []
