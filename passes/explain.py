@@ -364,9 +364,7 @@ def shared_prompts_line(unit: str, lay: Layout, costs: dict[str, PhaseCost], dem
     total = sum(c.time for c in costs.values())
     group = max(demand[op].group for op in costs)
     if saved <= 0:
-        return (
-            f"{unit}: shares prompts (pinned); the cost model finds no micro-batch where it pays, so the runtime runs one pass."
-        )
+        return f"{unit}: shares prompts (pinned), though the cost model finds it does not pay here; the runtime shares only in micro-batches where the prompt tokens saved exceed a pass's fixed cost."
     return (
         f"{unit}: each prompt computed once for the {group} rows that share it, then their responses on its KV cache "
         f"(shared prompts): {saved:.2f} s per step saved net of the extra pass ({saved / (total + saved):.0%} of its ops)."

@@ -85,10 +85,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     # shared prompts: each distinct prompt once, for one more pass per micro-batch (its dispatch, forward
     # and backward, and FSDP's gathers)
     extra = (3.0 * m.num_layers / lay.pp * hw.layer_overhead + per_mb) * mbs * d.updates
-    shared = _shared_prompts(compute, compute_of(padded - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)), extra)
-    passes = 2.0 if shared < compute else 1.0
-    saved = compute - min(compute, shared) - (extra if passes > 1 else 0.0)  # net of the extra pass
-    compute = min(compute, shared)
+    compute, passes, saved = _shared_prompts(plain, compute_of(padded - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)), extra)
     tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
     h2 = m.hidden_size * wb
@@ -169,7 +166,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         "offload": offload,
         "shared_prompts": saved,
     }
-    per_micro = (launch - one_pass * (passes - 1) + offload) / (mbs * d.updates) + per_mb  # one pass's
+    per_micro = (launch - one_pass * (passes - 1) + offload) / (mbs * d.updates) + per_mb  # one pass's dispatch
     # the fixed cost in tokens of one pass's compute, which is what the runtime weighs it against
     return PhaseCost(total, mem, resident, mfu, 1, detail, host_state_gb(m, lay), _in_tokens(per_micro, plain, tokens_per_rank))
 
@@ -177,12 +174,15 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
 MASTER_CAST_BYTES = 16.0  # per trained parameter and micro-batch, forward cast and gradient accumulation
 
 
-def _shared_prompts(plain: float, saved_to: float, extra: float) -> float:
-    """Compute seconds with shared prompts (``saved_to``: with the prompt tokens saved) when they
-    and the extra pass (``extra`` seconds: its dispatch and gathers, which the caller then counts
-    twice) beat ``plain``; otherwise infinity (the runtime then runs one pass: it decides per
-    micro-batch by the same fixed cost)."""
-    return saved_to if saved_to + extra < plain else math.inf
+def _shared_prompts(plain: float, saved_to: float, extra: float) -> tuple[float, float, float]:
+    """Whether shared prompts pay: ``plain`` compute seconds against ``saved_to`` (with the prompt
+    tokens saved) plus the extra pass (``extra`` seconds: its dispatch and gathers, which the
+    caller counts by the passes). Returns the compute seconds, the passes per micro-batch (1 or
+    2) and the seconds saved net of the extra pass (0 when one pass is cheaper: the runtime then
+    runs one, as it decides per micro-batch by the same fixed cost)."""
+    if saved_to + extra < plain:
+        return saved_to, 2.0, plain - saved_to - extra
+    return plain, 1.0, 0.0
 
 
 def _casts_master(m: ModelSpec, lay: Layout) -> bool:
@@ -216,10 +216,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     # shared prompts: one more pass per micro-batch (its dispatch and FSDP's gathers)
     width = padded - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)
     extra = (m.num_layers / lay.pp * hw.layer_overhead + per_mb) * mbs
-    shared = _shared_prompts(compute, compute * width / padded, extra)
-    passes = 2.0 if shared < compute else 1.0
-    saved = compute - min(compute, shared) - (extra if passes > 1 else 0.0)  # net of the extra pass
-    compute = min(compute, shared)
+    compute, passes, saved = _shared_prompts(plain, plain * width / padded, extra)
     tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
     h2 = m.hidden_size * wb

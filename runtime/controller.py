@@ -23,7 +23,7 @@ from typing import Any
 import ray
 import torch
 
-from flowc.errors import DataError, RuntimeFailure, SpecError
+from flowc.errors import RuntimeFailure, SpecError
 from flowc.ir.functional import DEFAULT_KL_KIND, varied_groups
 from flowc.ir.graph import Node, ValueRef
 from flowc.ir.losses import PREFERENCE_LOSSES, dpo_loss
@@ -54,6 +54,7 @@ from flowc.runtime.iteration import Iteration, Local, value_at
 from flowc.runtime.program import MICRO_ARGS, EngineKey, EngineKind, EngineSpec, GroupSpec, Program, Step, micro_args
 from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.rewards import Rewards
+from flowc.runtime.run_checks import behaviour_comparable, check_environments, check_response_lengths, sampling_of
 from flowc.runtime.step_metrics import StepTally, agent_metrics, step_metrics
 from flowc.runtime.sync_check import SyncCheck, first, probe_rollout, tolerance
 from flowc.runtime.worker import WorkerGroup
@@ -80,19 +81,6 @@ class RunSpec:
     executor: Executor = "ray"  # where the workers run: Ray actors, or in this process (runtime.inline)
 
 
-def check_environments(m: dict[str, Any], step: int) -> None:
-    """A step whose every trajectory its environment ended (an error, a timeout, or the process of
-    one) trains on nothing but error rewards: that is a broken environment, not bad luck — stop."""
-    n = m.get("agent/trajectories", 0)
-    failed = m.get("agent/env_errors", 0) + m.get("agent/env_timeouts", 0) + m.get("agent/env_lost", 0)
-    if n and failed >= n:
-        first = "; ".join(m.get("agent/errors") or []) or "no message"
-        raise DataError(
-            f"step {step + 1}: the environment ended all {int(n)} trajectories before they finished ({first})",
-            fix="fix the environment class (its protocol: docs/agents.md), or raise env_timeout_s if it is only slow",
-        )
-
-
 def _replica_args(args: dict[str, Any], rows: tuple[int, int]) -> dict[str, Any]:
     """A generate's arguments for the replica of prompt rows ``rows``: where its rows start (seeds
     follow global rows) and, for an agent rollout, its rows' data records."""
@@ -100,45 +88,6 @@ def _replica_args(args: dict[str, Any], rows: tuple[int, int]) -> dict[str, Any]
     if args.get("records") is not None:
         out["records"] = args["records"][rows[0] : rows[1]]
     return out
-
-
-def check_response_lengths(p: Program, cfg: RunConfig) -> None:
-    """No generate asks for longer responses than the plan priced (its workload's response_len)."""
-    limit = p.workload.response_len
-    asked = [("the run config's sampling.max_tokens", cfg.sampling.max_tokens)]
-    asked += [(f"{st.node}(max_tokens=…)", st.args.get("max_tokens")) for st in p.steps if st.op == Op.GENERATE]
-    for where, n in asked:
-        if n and int(n) > limit:
-            raise SpecError(
-                f"{where} asks for responses of {int(n)} tokens, but the plan was made for response_len={limit}",
-                fix=f"plan for them: --workload response_len={int(n)} (or lower max_tokens)",
-            )
-
-
-def sampling_of(st: Step, cfg: RunConfig) -> SamplingParams:
-    """A generate step's sampling: the run config's, with the flow's own keywords on top."""
-    own = {k: v for k, v in st.args.items() if k in SamplingParams.model_fields}
-    if "temperature" in own and "greedy" not in own:  # the flow's temperature decides (0 is greedy)
-        own["greedy"] = own["temperature"] == 0.0
-    return SamplingParams.model_validate({**cfg.sampling.model_dump(exclude_unset=True), **own})
-
-
-def behaviour_comparable(p: Program, cfg: RunConfig) -> bool:
-    """Whether the rollouts' log-probabilities compare with the trainer's (every generate samples
-    plainly, see ``SamplingParams.plain``); refuses an off-policy correction when they do not."""
-    plain = all(sampling_of(st, cfg).plain for st in p.steps if st.op == Op.GENERATE)
-    if plain:
-        return True
-    for st in p.steps_of(Op.UPDATE):
-        loss = p.graph[st.node].kwargs.get("loss")
-        if getattr(loss, "correction", None) is not None:
-            raise SpecError(
-                f"{st.node}(loss={loss}) weighs the rollout engine's log-probabilities against the trainer's, but the"
-                " rollout samples with temperature ≠ 1 or top-k/top-p/min-p: the engine's log-probabilities are of that"
-                " processed distribution, which the trainer does not compute",
-                fix="sample at temperature 1 with top_p=1, top_k=-1, min_p=0 (sampling.* in the run config), or drop the correction",
-            )
-    return False
 
 
 class Controller:

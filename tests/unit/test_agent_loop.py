@@ -252,7 +252,7 @@ def test_an_observation_the_tokenizer_cannot_encode_ends_its_trajectory_loudly()
 
 def test_a_step_that_every_trajectory_failed_stops_the_run_and_says_why():
     from flowc.errors import DataError
-    from flowc.runtime.controller import check_environments
+    from flowc.runtime.run_checks import check_environments
 
     check_environments({"agent/trajectories": 4.0, "agent/env_errors": 3.0}, 0)  # some failed: the run goes on
     with pytest.raises(DataError, match=r"step 3: the environment ended all 4 trajectories .*ZeroDivisionError"):

@@ -19,8 +19,8 @@ from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
 from flowc.passes.pipeline import make_plan
 from flowc.planning import run_target, runtime_pins
-from flowc.runtime.controller import behaviour_comparable
 from flowc.runtime.program import lower
+from flowc.runtime.run_checks import behaviour_comparable
 
 # two sequences of two tokens; the second sequence's second token is padding
 TRAINER = torch.log(torch.tensor([[0.5, 0.3], [0.2, 0.9]]))
@@ -146,7 +146,7 @@ def test_a_correction_under_processed_sampling_is_refused(tmp_path):
 def test_a_generate_step_samples_with_the_config_under_the_flows_keywords():
     from types import SimpleNamespace
 
-    from flowc.runtime.controller import sampling_of
+    from flowc.runtime.run_checks import sampling_of
 
     st = SimpleNamespace(args={"n": 4, "temperature": 0.0, "max_tokens": 8})
     sp = sampling_of(st, RunConfig(sampling=SamplingParams(top_p=0.9)))

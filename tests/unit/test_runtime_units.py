@@ -218,7 +218,7 @@ def test_a_plan_for_a_remote_cluster_lowers_without_its_backends_installed_here(
 
 def test_generation_longer_than_the_plan_is_refused():
     from flowc.errors import SpecError
-    from flowc.runtime.controller import check_response_lengths
+    from flowc.runtime.run_checks import check_response_lengths
 
     _, plan, _ = planned("grpo", "1x8xH100")
     prog = lower(plan)
