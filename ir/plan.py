@@ -84,6 +84,11 @@ class Layout(BaseModel):
             pairs) compute it once in a micro-batch: a pass over each distinct prompt, then the
             rows' responses on its KV cache (fsdp2; the runtime does it in a micro-batch where
             the prompt tokens saved exceed a pass's fixed cost).
+        pack_sequences: a micro-batch's rows run without their padding, laid end to end in
+            a few packed lines, each row attending only to itself (fsdp2, HF models whose mask
+            code honours the position restarts: checked once when the engine starts; the
+            runtime packs a micro-batch that has padding and does not share its prompts). A
+            token budget then counts real tokens.
     """
 
     model_config = _FROZEN
@@ -100,6 +105,7 @@ class Layout(BaseModel):
     micro_batch: int = Field(1, ge=1)
     micro_tokens: int = Field(0, ge=0)
     share_prompts: bool = False
+    pack_sequences: bool = False
 
     @property
     def micro_label(self) -> str:
@@ -137,6 +143,8 @@ class Layout(BaseModel):
             flags.append("ckpt")
         if self.share_prompts:
             flags.append("shared-prompts")
+        if self.pack_sequences:
+            flags.append("packed")
         return " ".join(parts) + (f" [{', '.join(flags)}]" if flags else "")
 
 

@@ -100,6 +100,7 @@ _FLAGS = (
     ("off-o", "offload_optimizer"),
     ("ckpt", "activation_checkpointing"),
     ("sp", "share_prompts"),
+    ("pk", "pack_sequences"),
 )
 
 

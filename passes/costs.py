@@ -203,16 +203,17 @@ def replica_sequences(d: Demand, lay: Layout, *, train: bool) -> float:
     return d.sequences * d.passes / (d.updates if train else 1) / lay.dp
 
 
-def padded_seq_len(d: Demand, lay: Layout, seqs_per_replica: float) -> float:
+def padded_seq_len(d: Demand, lay: Layout, seqs_per_replica: float, *, unpacked: bool = False) -> float:
     """Mean tokens per sequence as the runtime pads them: each micro-batch is as wide as its
     longest row. Responses range up to ``R`` around their mean; a micro-batch of ``m`` rows
     taken in order is padded a share ``1 - 1/m`` of that spread, and a token budget (rows
     sorted by length, ``k`` micro-batches of similar lengths) a share ``(1 - 1/s)/k`` of
     it, where ``s`` is the replica's rows. With no mean given (every response at ``R``) there
-    is no padding."""
+    is no padding, and none when the layout packs its rows (``pack_sequences``; ``unpacked``:
+    what the rows would compute padded, as a micro-batch that shares its prompts does)."""
     spread = d.response_len - d.mean_response_len
     s = max(seqs_per_replica, 1.0)
-    if spread <= 0 or s <= 1:
+    if spread <= 0 or s <= 1 or (lay.pack_sequences and not unpacked):
         return d.seq_len
     if lay.micro_tokens:
         k = max(1, math.ceil(s * d.seq_len / lay.cp / lay.micro_tokens))
@@ -227,12 +228,15 @@ def prompt_tokens_saved(d: Demand, lay: Layout, seqs_per_replica: float, micro_b
     saves (``share_prompts``): of a micro-batch's ``m`` rows, those beyond its distinct prompts.
     A replica's ``s`` rows hold ``s/g`` prompts of ``g`` rows each; a micro-batch's rows are cut
     by length, not by prompt, so a prompt is in it with the chance that any of its ``g`` rows
-    is: ``1 − (1 − m/s)^g``."""
+    is: ``1 − (1 − m/s)^g``. Packed (``pack_sequences``) the rows are cut by prompt, so a
+    micro-batch holds ``m/g`` whole groups."""
     if not lay.share_prompts or d.group < 2:
         return 0.0
     s = max(seqs_per_replica, 1.0)
     m = s / max(micro_batches, 1)
     g = min(float(d.group), s)
+    if lay.pack_sequences:  # packed micro-batches are cut by prompt: they hold whole groups
+        return d.prompt_len * max(m - max(m / g, 1.0), 0.0) / m
     distinct = s / g * (1.0 - (1.0 - min(m / s, 1.0)) ** g)
     return d.prompt_len * max(m - distinct, 0.0) / m
 

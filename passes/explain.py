@@ -347,6 +347,8 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
             lines.append(f"{u}: {lay.short()} {lay.micro_label} ({lay.backend}), {o.resident_gb:.1f} GB resident{extra}.")
             if line := shared_prompts_line(u, lay, o.op_costs, table.demand):
                 lines.append(line)
+            if line := packed_line(u, lay, o.op_costs):
+                lines.append(line)
     for r in plan_body["reshards"]:
         if (r.dst_phase == "generate" and r.method != "in_place") or r.bytes_per_device > 0:
             lines.append(
@@ -365,7 +367,30 @@ def shared_prompts_line(unit: str, lay: Layout, costs: dict[str, PhaseCost], dem
     group = max(demand[op].group for op in costs)
     if saved <= 0:
         return f"{unit}: shares prompts (pinned), though the cost model finds it does not pay here; the runtime shares only in micro-batches where the prompt tokens saved exceed a pass's fixed cost."
+    if lay.pack_sequences:
+        return (
+            f"{unit}: each prompt computed once for the {group} rows that share it, its rows' responses after it in the same "
+            f"packed line, each attending to the prompt and itself (shared prompts): {saved:.2f} s per step saved "
+            f"({saved / (total + saved):.0%} of its ops)."
+        )
     return (
         f"{unit}: each prompt computed once for the {group} rows that share it, then their responses on its KV cache "
         f"(shared prompts): {saved:.2f} s per step saved net of the extra pass ({saved / (total + saved):.0%} of its ops)."
+    )
+
+
+def packed_line(unit: str, lay: Layout, costs: dict[str, PhaseCost]) -> str | None:
+    """What packing a unit's rows without their padding saves (``pack_sequences``)."""
+    if not lay.pack_sequences:
+        return None
+    saved = sum(c.detail.get("padding_removed", 0.0) for c in costs.values())
+    total = sum(c.time for c in costs.values())
+    if saved <= 0:
+        return (
+            f"{unit}: packs the rows of a micro-batch that has padding (packed sequences); none is priced here "
+            "(every response at the limit: give mean_response_len, or lengths_from a run, to price it)."
+        )
+    return (
+        f"{unit}: rows packed without their padding, end to end in lines where each attends only to itself "
+        f"(packed sequences): {saved:.2f} s per step of padding not computed ({saved / (total + saved):.0%} of its ops)."
     )

@@ -20,7 +20,7 @@ from flowc.ir.workload import WorkloadSpec
 from flowc.passes.costs import GB, Hw, PhaseCost, replica_sequences
 from flowc.passes.flops import Demand
 from flowc.passes.generation_costs import generation_weights_gb
-from flowc.passes.pins import Pins
+from flowc.passes.pins import PhasePin, Pins
 from flowc.passes.train_costs import forward_cost, train_cost
 from flowc.passes.units import Unit
 
@@ -198,10 +198,12 @@ class OptionTable:
                                             micro_batch=mb,
                                         )
                                     )
-        out = self._budgeted(u, out, pin.micro_tokens, pin.share_prompts)
+        out = self._budgeted(u, out, pin.micro_tokens, pin.share_prompts, pin.pack_sequences)
         return [lay for lay in out if pin.allows(lay) and self.pins.within_limits(lay)]
 
-    def _budgeted(self, u: Unit, layouts: list[Layout], pinned: int | None, share: bool | None = None) -> list[Layout]:
+    def _budgeted(
+        self, u: Unit, layouts: list[Layout], pinned: int | None, share: bool | None = None, pack: bool | None = None
+    ) -> list[Layout]:
         """Token budgets for the micro-batches wherever the backend runs them: ``micro_batch``
         rows of the workload's longest length (what memory is priced at), so shorter rows
         share a micro-batch and are binned by length. Megatron's pipeline schedule pads every
@@ -210,7 +212,8 @@ class OptionTable:
 
         Shared prompts wherever fsdp2 runs rows that share a prompt without recomputing
         activations (the runtime shares only in a micro-batch where it pays, and the cost
-        model prices the same choice); ``share`` pinned fixes it."""
+        model prices the same choice); ``share`` pinned fixes it. Packed rows (no padding)
+        wherever fsdp2 runs them; ``pack`` pinned fixes it."""
         dem = self.demand[u.update_op or u.ops[-1]]
         longest = dem.prompt_len + dem.response_len
         out = []
@@ -221,7 +224,13 @@ class OptionTable:
             )
         for lay in layouts:
             can = lay.backend == "fsdp2" and not lay.activation_checkpointing and dem.group > 1
-            lay = lay.model_copy(update={"share_prompts": can if share is None else share and can})
+            packs = lay.backend == "fsdp2"
+            lay = lay.model_copy(
+                update={
+                    "share_prompts": can if share is None else share and can,
+                    "pack_sequences": packs if pack is None else pack and packs,
+                }
+            )
             if lay.backend == "megatron" and lay.pp > 1:
                 budget = 0
             elif pinned is not None:
@@ -256,7 +265,7 @@ class OptionTable:
                                     )
                                 )
         fpin = self.pins.phase(u.role, "forward")
-        out = self._budgeted(u, out, fpin.micro_tokens, fpin.share_prompts)
+        out = self._budgeted(u, out, fpin.micro_tokens, fpin.share_prompts, fpin.pack_sequences)
         return [lay for lay in out if self.pins.allows(u.role, "forward", lay)]
 
     def generation_refusal(self, u: Unit, d: int) -> str:
@@ -394,12 +403,12 @@ class OptionTable:
                 costs[op] = forward_cost(m, lay, dem, self.hw, logits=logits, frozen=False)
         resident = costs[u.update_op].resident_gb
         transient = max(c.memory.total - c.resident_gb for c in costs.values())
-        lay = _sharing(lay, costs, self.pins.phase(u.role, "train").share_prompts)
+        lay = _sharing(lay, costs, self.pins.phase(u.role, "train"))
         return self._option(u, d, {"train": lay, "forward": lay}, costs, resident, transient)
 
     def _frozen(self, u: Unit, m: ModelSpec, lay: Layout, d: int, logits: bool) -> UnitOption:
         costs = {op: forward_cost(m, lay, self.demand[op], self.hw, logits=logits, frozen=True) for op in u.ops}
-        lay = _sharing(lay, costs, self.pins.phase(u.role, "forward").share_prompts)
+        lay = _sharing(lay, costs, self.pins.phase(u.role, "forward"))
         resident = max(c.resident_gb for c in costs.values())
         transient = max(c.memory.total - c.resident_gb for c in costs.values())
         return self._option(u, d, {"forward": lay}, costs, resident, transient)
@@ -427,10 +436,13 @@ class OptionTable:
         )
 
 
-def _sharing(lay: Layout, costs: dict[str, PhaseCost], pinned: bool | None) -> Layout:
+def _sharing(lay: Layout, costs: dict[str, PhaseCost], pin: PhasePin) -> Layout:
     """``lay`` sharing prompts only where the cost model found that it pays in one of its ops (the
     plan then says what it does: a layout that may share but never would shows it does not),
-    or where the pins ask for it (the runtime still shares only in micro-batches where it pays)."""
-    if lay.share_prompts and not pinned and not any(c.detail.get("shared_prompts", 0.0) > 0 for c in costs.values()):
+    or where the pins ask for it (the runtime still shares only in micro-batches where it pays).
+    Packing stays wherever the backend packs: it costs nothing where a micro-batch has no
+    padding (the runtime packs only those that have), and responses that end before the limit
+    leave padding whether or not the workload says how long they are."""
+    if lay.share_prompts and not pin.share_prompts and not any(c.detail.get("shared_prompts", 0.0) > 0 for c in costs.values()):
         return lay.model_copy(update={"share_prompts": False})
     return lay

@@ -50,6 +50,7 @@ class PhasePin(BaseModel):
     micro_batch: int | None = Field(None, ge=1)
     micro_tokens: int | None = Field(None, ge=0)
     share_prompts: bool | None = None
+    pack_sequences: bool | None = None
     devices: int | None = Field(None, ge=1)
     # generate only: the share of each device the engine may take (vLLM's gpu_memory_utilization:
     # its weights, KV cache and buffers); None: planned from the cache's peak demand

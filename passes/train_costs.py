@@ -85,7 +85,13 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     # shared prompts: each distinct prompt once, for one more pass per micro-batch (its dispatch, forward
     # and backward, and FSDP's gathers)
     extra = (3.0 * m.num_layers / lay.pp * hw.layer_overhead + per_mb) * mbs * d.updates
-    compute, passes, saved = _shared_prompts(plain, compute_of(padded - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)), extra)
+    # (a shared micro-batch's responses stay padded, packed or not)
+    rows = padded_seq_len(d, lay, seqs_per_dp, unpacked=True)
+    if lay.pack_sequences:  # packed lines compute each prompt once in the same pass
+        compute, passes, saved = _shared_prompts(plain, compute_of(padded - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)), 0.0)
+        passes = 1.0
+    else:
+        compute, passes, saved = _shared_prompts(plain, compute_of(rows - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)), extra)
     tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
     h2 = m.hidden_size * wb
@@ -165,6 +171,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         "optimizer": opt,
         "offload": offload,
         "shared_prompts": saved,
+        "padding_removed": compute_of(rows) - plain,  # what packing saves against padded rows
     }
     per_micro = (launch - one_pass * (passes - 1) + offload) / (mbs * d.updates) + per_mb  # one pass's dispatch
     # the fixed cost in tokens of one pass's compute, which is what the runtime weighs it against
@@ -214,9 +221,12 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     gathers = lay.fsdp and lay.dp * lay.cp > 1
     per_mb = gather_time(ps_full.total * wb, lay.dp * lay.cp, _dp_bw(hw, lay), hw.latency) if gathers else 0.0
     # shared prompts: one more pass per micro-batch (its dispatch and FSDP's gathers)
-    width = padded - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)
+    rows = padded_seq_len(d, lay, seqs_per_dp, unpacked=True)  # a shared micro-batch's responses stay padded
+    width = (padded if lay.pack_sequences else rows) - prompt_tokens_saved(d, lay, seqs_per_dp, mbs)
     extra = (m.num_layers / lay.pp * hw.layer_overhead + per_mb) * mbs
-    compute, passes, saved = _shared_prompts(plain, plain * width / padded, extra)
+    compute, passes, saved = _shared_prompts(plain, plain * width / padded, 0.0 if lay.pack_sequences else extra)
+    passes = 1.0 if lay.pack_sequences else passes  # packed lines compute each prompt once in the same pass
+    removed = plain * (rows / padded - 1.0)  # what packing saves against padded rows
     tokens_per_rank = d.tokens * padded / d.seq_len / lay.dp / lay.cp  # padding travels too
     layers = m.num_layers / lay.pp
     h2 = m.hidden_size * wb
@@ -268,7 +278,16 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
         resident,
         0.0,
         1,
-        {"compute": compute, "tp": tp, "pp_bubble": bubble, "ep": ep, "dp": gather, "offload": offload, "shared_prompts": saved},
+        {
+            "compute": compute,
+            "tp": tp,
+            "pp_bubble": bubble,
+            "ep": ep,
+            "dp": gather,
+            "offload": offload,
+            "shared_prompts": saved,
+            "padding_removed": removed,
+        },
         host,
         _in_tokens(
             (launch - layers * hw.layer_overhead * mbs * (passes - 1)) / mbs + per_mb + (0.0 if frozen else offload / mbs),

@@ -243,13 +243,17 @@ class ValueModel(nn.Module):
         position_ids: torch.Tensor,
         cache: object | None = None,
         keep_cache: bool = False,
+        hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, object]:
         """The head's output on every position; with ``keep_cache`` also the KV cache, which
-        ``cache`` continues (a shared prompt's, see :func:`shared_prompt_pass`)."""
+        ``cache`` continues (a shared prompt's, see :func:`shared_prompt_pass`); with
+        ``hidden`` the trunk's last hidden state instead (what the head reads)."""
         kw = {cache_kwarg(self.trunk): cache} if cache is not None else {}
         out = self.trunk(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=keep_cache, **kw
         )
+        if hidden:
+            return out.last_hidden_state
         v = self.head(out.last_hidden_state).squeeze(-1)
         return (v, cache_of(out)) if keep_cache else v
 
@@ -300,12 +304,20 @@ def first_rows(groups: torch.Tensor) -> torch.Tensor:
 
 
 def can_share_prompts(model: nn.Module) -> bool:
-    """Whether :func:`shared_prompt_pass` can run ``model``: a decoder whose every layer keeps a
-    full KV cache (no sliding window), and no activation checkpointing (HF turns the cache off
-    under it), no sliding or chunked attention window, and no dropout."""
+    """Whether :func:`shared_prompt_pass` can run ``model``: one prompt computation serves its
+    rows (:func:`one_prefix_safe`), and no activation checkpointing (HF turns the cache off
+    under it)."""
+    lm = getattr(model, "trunk", model)
+    return not getattr(lm, "is_gradient_checkpointing", False) and one_prefix_safe(model)
+
+
+def one_prefix_safe(model: nn.Module) -> bool:
+    """Whether a prompt computed once may serve every row that continues it: a decoder whose
+    every layer attends to all earlier tokens (no sliding or chunked window, which a shared
+    prefix's cache or an explicit packing mask would not apply), and no dropout."""
     lm = getattr(model, "trunk", model)
     cfg = getattr(lm, "config", None)
-    if cfg is None or getattr(lm, "is_gradient_checkpointing", False):
+    if cfg is None:
         return False
     text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
     types = set(getattr(text, "layer_types", None) or ["full_attention"])
@@ -363,12 +375,19 @@ def response_logprobs(
     *,
     with_entropy: bool = False,
     groups: torch.Tensor | None = None,
+    packed: bool = False,
 ):
     """Teacher-forced log-probabilities ``[N, R]`` of the response tokens (and
     their per-token entropy when asked). With ``groups`` (:func:`prompt_groups`) each distinct
-    prompt is computed once (:func:`shared_prompt_pass`)."""
+    prompt is computed once (:func:`shared_prompt_pass`); ``packed``: the rows without their
+    padding, in packed lines (:mod:`flowc.runtime.packing`)."""
     p, r = prompt_ids.shape[1], response_ids.shape[1]
-    if groups is not None:
+    if packed:
+        from flowc.runtime.packing import at_slots, packed_forward
+
+        flat, lines = packed_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, value=False, groups=groups)
+        logits = at_slots(flat, lines.index[:, p - 1 : p + r - 1])
+    elif groups is not None:
         last, resp = shared_prompt_pass(model, prompt_ids, prompt_mask, response_ids, response_mask, groups, value=False)
         logits = torch.cat([last, resp[:, : r - 1]], dim=1)
     else:
@@ -392,17 +411,23 @@ def response_values(
     *,
     at_tokens: bool = False,
     groups: torch.Tensor | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Value estimates ``[N, R]``: a critic's value of the state before each response token, or
     with ``at_tokens`` the head's output at each response token itself (a reward model scores a
     sequence at its last token, as transformers' sequence classifiers do). With ``groups`` each
-    distinct prompt is computed once (:func:`shared_prompt_pass`)."""
+    distinct prompt is computed once (:func:`shared_prompt_pass`); ``packed``: the rows in
+    packed lines (:mod:`flowc.runtime.packing`)."""
+    p, r = prompt_ids.shape[1], response_ids.shape[1]
+    shift = 0 if at_tokens else 1
+    if packed:
+        from flowc.runtime.packing import at_slots, packed_forward
+
+        flat, lines = packed_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, value=True, groups=groups)
+        return at_slots(flat, lines.index[:, p - shift : p + r - shift]).float()
     if groups is not None:
         last, resp = shared_prompt_pass(model, prompt_ids, prompt_mask, response_ids, response_mask, groups, value=True)
-        r = response_ids.shape[1]
         return (resp if at_tokens else torch.cat([last, resp[:, : r - 1]], dim=1)).float()
     ids, mask, pos = join(prompt_ids, prompt_mask, response_ids, response_mask)
-    p, r = prompt_ids.shape[1], response_ids.shape[1]
     v = model(input_ids=ids, attention_mask=mask, position_ids=pos)
-    shift = 0 if at_tokens else 1
     return v[:, p - shift : p + r - shift].float()

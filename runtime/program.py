@@ -294,7 +294,7 @@ def _workload(plan: Plan) -> WorkloadSpec:
     return WorkloadSpec(**plan.workload)
 
 
-MICRO_ARGS = ("micro", "micro_tokens", "micro_overhead", "share_prompts")
+MICRO_ARGS = ("micro", "micro_tokens", "micro_overhead", "share_prompts", "pack_sequences")
 
 
 def micro_args(layout: Layout, overhead_tokens: float = 0.0) -> dict[str, float]:
@@ -302,7 +302,8 @@ def micro_args(layout: Layout, overhead_tokens: float = 0.0) -> dict[str, float]
     ``micro_tokens`` a token budget (rows binned by length; see ``backends.training``), split
     further where that saves more padding than a micro-batch's fixed cost
     (``micro_overhead`` tokens; 0: fill each micro-batch up to the budget), computing each
-    distinct prompt once where the layout ``share_prompts`` and that saves more than a pass."""
+    distinct prompt once where the layout ``share_prompts`` and that saves more than a pass, and
+    packing a micro-batch's rows without their padding where the layout ``pack_sequences``."""
     # the plan prices budgets and fixed costs per device; a replica's rows are whole (cp ranks split each row)
     cp = layout.cp
     return {
@@ -310,4 +311,5 @@ def micro_args(layout: Layout, overhead_tokens: float = 0.0) -> dict[str, float]
         "micro_tokens": layout.micro_tokens * cp,
         "micro_overhead": overhead_tokens * cp,
         "share_prompts": layout.share_prompts,
+        "pack_sequences": layout.pack_sequences,
     }

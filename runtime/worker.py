@@ -157,7 +157,12 @@ class Worker:
         return r, meta
 
     def _forward(self, eng: TrainEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        micro = (args.get("micro_tokens", 0), args.get("micro_overhead", 0.0), args.get("share_prompts", False))
+        micro = (
+            args.get("micro_tokens", 0),
+            args.get("micro_overhead", 0.0),
+            args.get("share_prompts", False),
+            args.get("pack_sequences", False),
+        )
         return eng.forward(values["rollout"], args["micro"], *micro), {}
 
     def _update(self, eng: TrainEngine, values: dict[str, Any], args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -108,14 +108,23 @@ class Trainer(Protocol):
         """``x`` summed over the data-parallel replicas (each holds different rows)."""
 
     def run(
-        self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool, groups: list[torch.Tensor | None] | None = None
+        self,
+        parts: list[Rollout],
+        rows: list[int],
+        fn: MicroFn,
+        *,
+        train: bool,
+        groups: list[torch.Tensor | None] | None = None,
+        packed: list[bool] | None = None,
     ) -> list[dict[str, Any]] | None:
         """Run the micro-batches ``parts`` in order (``rows[i]`` real rows each; 0 for a
         padding micro-batch that keeps collectives in step). With ``train``, back-propagate
         each objective, scaled so the replicas' gradients average to the global loss's.
         ``groups[i]``: micro-batch ``i``'s prompt groups when it computes each distinct prompt
-        once (only asked of a backend whose ``shares_prompts`` is true). Returns ``fn``'s stats
-        per micro-batch, or None on a rank whose outputs are not kept."""
+        once (only asked of a backend whose ``shares_prompts`` is true); ``packed[i]``: its rows
+        without their padding in packed lines (only asked of a backend whose ``packs`` is
+        true). Returns ``fn``'s stats per micro-batch, or None on a rank whose outputs are not
+        kept."""
 
     def share(self, stats: dict[str, float]) -> dict[str, float]:
         """Statistics as every rank of a replica reports them (a pipeline's last stage computed them)."""

@@ -38,6 +38,7 @@ from flowc.runtime.modeling import (
     save_hf,
     value_state,
 )
+from flowc.runtime.packing import packing_support
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -108,6 +109,12 @@ class Fsdp2Trainer:
             if self.lora is not None and hasattr(lm, "enable_input_require_grads"):
                 lm.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
         self.model = parallelize(model, layout=init.layout, compute=self.compute if load_dtype == torch.float32 else None)
+        # packed micro-batches where the plan packs and this model computes packed lines as their rows (checked once):
+        # plain rows, and rows that share a prompt computed once in the same pass
+        self.packs, self.packs_shared = False, False
+        if init.layout.pack_sequences:
+            vocab = getattr(getattr(lm, "config", None), "vocab_size", 2)
+            self.packs, self.packs_shared = packing_support(self.model, value=not self.lm_head, vocab=vocab)
         self.is_output = True  # no model parallelism: every rank answers for its own rows
         self.last_received = 0.0
         self.opt: torch.optim.Optimizer | None = None
@@ -137,27 +144,36 @@ class Fsdp2Trainer:
         """A prompt can be computed once for the rows that share it (:func:`shared_prompt_pass`)."""
         return can_share_prompts(self.model)
 
-    def _score(self, r: Rollout, with_entropy: bool, groups: torch.Tensor | None = None) -> Any:
+    def _score(self, r: Rollout, with_entropy: bool, groups: torch.Tensor | None = None, packed: bool = False) -> Any:
         args = (r.prompt_ids, r.prompt_mask, r.response_ids, r.present)
         if groups is not None:
             groups = groups.to(self.device)
         with torch.autocast(self.device.type, dtype=self.compute or torch.float32, enabled=self.compute is not None):
             if self.lm_head:
-                return response_logprobs(self.model, *args, with_entropy=with_entropy, groups=groups)
-            return response_values(self.model, *args, at_tokens=self.init.kind == RoleKind.REWARD_MODEL, groups=groups)
+                return response_logprobs(self.model, *args, with_entropy=with_entropy, groups=groups, packed=packed)
+            at = self.init.kind == RoleKind.REWARD_MODEL
+            return response_values(self.model, *args, at_tokens=at, groups=groups, packed=packed)
 
     def run(
-        self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool, groups: list[torch.Tensor | None] | None = None
+        self,
+        parts: list[Rollout],
+        rows: list[int],
+        fn: MicroFn,
+        *,
+        train: bool,
+        groups: list[torch.Tensor | None] | None = None,
+        packed: list[bool] | None = None,
     ) -> list[dict[str, Any]]:
         out = []
         shared = groups or [None] * len(parts)
+        packs = packed or [False] * len(parts)
         if not train:
             was = self.model.training
             self.model.eval()
             with torch.no_grad():
                 for i, part in enumerate(parts):
                     p = to_device(part, self.device)
-                    out.append(fn(i, p, lambda e, p=p, g=shared[i]: self._score(p, e, g))[1])
+                    out.append(fn(i, p, lambda e, p=p, g=shared[i], k=packs[i]: self._score(p, e, g, k))[1])
             self.model.train(was)
             return out
         size, _ = world()
@@ -165,7 +181,7 @@ class Fsdp2Trainer:
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(i == len(parts) - 1)  # reduce gradients once per update
             p = to_device(part, self.device)
-            obj, st = fn(i, p, lambda e, p=p, g=shared[i]: self._score(p, e, g))
+            obj, st = fn(i, p, lambda e, p=p, g=shared[i], k=packs[i]: self._score(p, e, g, k))
             (obj * (float(size) if rows[i] else 0.0)).backward()  # the ranks' gradients are averaged
             out.append(st)
         return out

@@ -241,12 +241,20 @@ class MegatronTrainer:
         return allreduce(x, group=self.dp_group)
 
     def run(
-        self, parts: list[Rollout], rows: list[int], fn: MicroFn, *, train: bool, groups: list[torch.Tensor | None] | None = None
+        self,
+        parts: list[Rollout],
+        rows: list[int],
+        fn: MicroFn,
+        *,
+        train: bool,
+        groups: list[torch.Tensor | None] | None = None,
+        packed: list[bool] | None = None,
     ) -> list[dict[str, Any]] | None:
         """Megatron's schedule over the micro-batches; ``fn`` runs on the last stage. Megatron
         divides each loss by the micro-batch count and averages gradients over the replicas,
-        so the objective is scaled back by both. It packs its own sequences and never computes
-        a shared prompt once (``groups`` is never set: it has no ``shares_prompts``)."""
+        so the objective is scaled back by both. It drops the prompts' left padding itself but does
+        not pack rows (``packed`` is never set: it has no ``packs``) and never computes a shared
+        prompt once (nor ``groups``: it has no ``shares_prompts``)."""
         activate(self.key)
         scale = float(len(parts) * self.dp)
 

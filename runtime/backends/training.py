@@ -74,7 +74,9 @@ def chunk_ranges(rows: int, k: int, unit: int = 1) -> Iterator[tuple[int, int]]:
         yield lo * unit, hi * unit
 
 
-def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0, share: bool = False) -> list[torch.Tensor]:
+def token_bins(
+    r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0, share: bool = False, pack: bool = False
+) -> list[torch.Tensor]:
     """Rows of ``r`` in micro-batches of at most ``budget`` padded tokens each: a micro-batch
     costs its rows × the prompt and response width it keeps once trimmed. Rows are taken
     longest response first (then longest prompt), so each micro-batch holds rows of similar
@@ -86,7 +88,11 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0, sh
     sorted rows, up to ``MAX_CUT_ROWS`` units); without it each micro-batch is filled up to the
     budget. With ``share`` (the backend computes a prompt once for the rows that share it, see
     :func:`shares_prompt`) a micro-batch's prompt tokens are the cheaper of every row's and its
-    distinct prompts' plus one more pass (``overhead``), and the cuts weigh that too."""
+    distinct prompts' plus one more pass (``overhead``), and the cuts weigh that too. With
+    ``pack`` (the backend packs a micro-batch's rows without their padding, see
+    :mod:`flowc.runtime.packing`) a micro-batch costs its real tokens, so the fewest
+    micro-batches that fit the budget are the cheapest: each takes the next rows while their
+    real tokens fit."""
     n = num_rows(r) // unit
     if n == 0:
         return []
@@ -97,7 +103,11 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0, sh
     prompt = prompt_groups(r.prompt_ids, r.prompt_mask).view(n, unit)[:, 0].tolist() if share else None
     if prompt is not None:  # a prompt's rows of one length next to each other: the cuts are contiguous runs
         order = sorted(range(n), key=lambda i: (-q[i], -p[i], prompt[i], i))
-    if one <= budget and one - unit * sum(p[i] + q[i] for i in range(n)) <= overhead:
+    if pack:  # a prompt's rows next to each other, so that a micro-batch holds whole groups to compute it once
+        if prompt is not None:
+            order = sorted(range(n), key=lambda i: (prompt[i], -q[i], i))
+        groups = _filled(order, p, q, budget, unit, packed=True, prompt=prompt)
+    elif one <= budget and one - unit * sum(p[i] + q[i] for i in range(n)) <= overhead:
         # all the padding there is costs less than one more micro-batch: no cut can pay (nor share more
         # prompts than one micro-batch of every row does, for one extra pass instead of several)
         groups = [order]
@@ -111,18 +121,39 @@ def token_bins(r: Rollout, budget: int, unit: int = 1, overhead: float = 0.0, sh
 MAX_CUT_ROWS = 512  # beyond this many units a replica's micro-batches are filled greedily (the cuts are quadratic)
 
 
-def _filled(order: list[int], p: list[int], q: list[int], budget: int, unit: int) -> list[list[int]]:
-    """Greedy: each micro-batch takes the next rows while they fit the budget."""
+def _filled(
+    order: list[int],
+    p: list[int],
+    q: list[int],
+    budget: int,
+    unit: int,
+    packed: bool = False,
+    prompt: list[int] | None = None,
+) -> list[list[int]]:
+    """Greedy: each micro-batch takes the next rows while they fit the budget (their padded
+    tokens, or ``packed`` the tokens computed: real ones, with ``prompt`` each distinct prompt
+    once — and a prompt's rows, which come together, start a new micro-batch rather than be
+    split where they would fit one whole)."""
+    whole: dict[int, int] = {}  # packed, with prompts: each prompt's tokens computed, its rows all together
+    if packed and prompt is not None:
+        for i in order:
+            whole[prompt[i]] = whole.get(prompt[i], p[i]) + q[i]
     bins: list[list[int]] = []
     cur: list[int] = []
-    wp = wq = 0
+    seen: set[int] = set()
+    wp = wq = real = 0
     for i in order:
-        np_, nq = max(wp, p[i]), max(wq, q[i])
-        if cur and (len(cur) + 1) * unit * (np_ + nq) > budget:
+        once = prompt is not None and prompt[i] in seen
+        np_, nq, nr = max(wp, p[i]), max(wq, q[i]), real + q[i] + (0 if once else p[i])
+        fresh = whole and not once and unit * (real + whole[prompt[i]]) > budget >= unit * whole[prompt[i]]
+        if cur and (fresh or (unit * nr if packed else (len(cur) + 1) * unit * (np_ + nq)) > budget):
             bins.append(cur)
-            cur, np_, nq = [], p[i], q[i]
+            cur, np_, nq, nr = [], p[i], q[i], p[i] + q[i]
+            seen = set()
         cur.append(i)
-        wp, wq = np_, nq
+        if prompt is not None:
+            seen.add(prompt[i])
+        wp, wq, real = np_, nq, nr
     bins.append(cur)
     return bins
 
@@ -163,17 +194,32 @@ def _cheapest_cuts(
     return runs[::-1]
 
 
-def shares_prompt(part: Rollout, overhead: float) -> torch.Tensor | None:
+def real_tokens(part: Rollout) -> int:
+    """The tokens of a micro-batch that are not padding (prompts and responses)."""
+    return int(part.prompt_mask.long().sum() + part.present.long().sum())
+
+
+def shares_prompt(part: Rollout, overhead: float, packed: bool = False) -> torch.Tensor | None:
     """The prompt groups of a micro-batch (:func:`~flowc.runtime.modeling.prompt_groups`) when
     computing each distinct prompt once pays: the prompt tokens it saves, ``(rows − distinct) ×
     width``, exceed ``overhead`` (a pass's fixed cost in tokens of compute, the plan's
-    micro-batch cost: the shared prompt is a pass of its own). None: one pass over every row."""
+    micro-batch cost: the shared prompt is a pass of its own) — and, where the backend would
+    otherwise pack the rows (``packed``), the shared pass (padded responses) computes fewer
+    tokens than the packed one (:func:`real_tokens`). None: one pass over every row."""
     rows, width = part.prompt_ids.shape
     if rows < 2:
         return None
     groups = prompt_groups(part.prompt_ids, part.prompt_mask)
     distinct = int(groups.max()) + 1
-    return groups if (rows - distinct) * width > overhead else None
+    saved = (rows - distinct) * width
+    if packed:
+        return groups if rows * (width + part.response_ids.shape[1]) - saved + overhead < real_tokens(part) else None
+    return groups if saved > overhead else None
+
+
+def packs_rows(part: Rollout) -> bool:
+    """Whether packing a micro-batch computes less than padding it: some of it is padding."""
+    return num_rows(part) > 1 and real_tokens(part) < part.prompt_ids.numel() + part.response_ids.numel()
 
 
 def minibatch_bounds(role: str, mini_sizes: list[int], rows: int) -> list[tuple[int, int]]:
@@ -254,11 +300,19 @@ class TrainEngine:
         self.updates = 0
         self.micro_batches = 0  # of the last op: what the plan's micro_batch made of this replica's rows
         self.shared_prompts = 0  # of those, the micro-batches that computed each distinct prompt once
+        self.packed = 0  # and those that ran their rows packed, without padding
 
     # -------------------------------------------------------- micro-batches
     def split(
-        self, r: Rollout, micro: int, unit: int = 1, tokens: int = 0, overhead: float = 0.0, share: bool = False
-    ) -> tuple[list[Rollout], list[torch.Tensor], list[torch.Tensor | None]]:
+        self,
+        r: Rollout,
+        micro: int,
+        unit: int = 1,
+        tokens: int = 0,
+        overhead: float = 0.0,
+        share: bool = False,
+        pack: bool = False,
+    ) -> tuple[list[Rollout], list[torch.Tensor], list[torch.Tensor | None], list[bool]]:
         """This replica's rows in micro-batches, padding trimmed: ``micro`` rows each in order,
         or with a token budget ``tokens`` binned by length (:func:`token_bins`, with a
         micro-batch's fixed cost of ``overhead`` tokens). Their count is
@@ -267,56 +321,86 @@ class TrainEngine:
         for padding), and for each its prompt groups when the backend computes each distinct
         prompt once there (with ``share``, the plan's ``share_prompts``, where the backend can
         and it pays on every rank of the pool: :func:`shares_prompt`; None: one pass over every
-        row)."""
+        row), and whether each runs its rows packed without their padding (with ``pack``, the
+        plan's ``pack_sequences``, where the backend can and the micro-batch has padding and
+        does not share its prompts: :func:`packs_rows`)."""
         rows = num_rows(r)
-        share = share and self.shares_prompts
+        # packed lines that compute each prompt once in the same pass: no second pass for the ranks to agree on
+        tree = share and pack and self.packs and bool(getattr(self.b, "packs_shared", False))
+        share = share and (self.shares_prompts or tree)
+        pack = pack and self.packs
         if tokens:
-            bins = token_bins(r, tokens, unit, overhead, share=share)
+            # packed, a budget counts a prompt once only where the lines will compute it once
+            bins = token_bins(r, tokens, unit, overhead, share=share and (tree or not pack), pack=pack)
         else:
             k = max(1, math.ceil(rows // unit / max(1, micro // unit)))
             bins = [torch.arange(lo, hi) for lo, hi in chunk_ranges(rows, k, unit)]
         k = self.b.agree(max(1, len(bins)))
         bins += [torch.arange(0)] * (k - len(bins))
         parts = [trim(take_rows(r, idx) if len(idx) else slice_rows(r, 0, unit)) for idx in bins]
-        groups = [shares_prompt(part, overhead) if share and len(idx) else None for part, idx in zip(parts, bins, strict=True)]
-        if share:  # the ranks of a sharded pool gather the same layers the same times: every rank shares, or none
-            agreed = self.b.agree_flags([g is not None for g in groups])
-            groups = [g if ok else None for g, ok in zip(groups, agreed, strict=True)]
+        if tree:  # a micro-batch whose rows share a prompt computes it once in its packed lines
+            groups = [shares_prompt(part, 0.0) if len(idx) else None for part, idx in zip(parts, bins, strict=True)]
+            packed = [g is not None or packs_rows(part) for part, g in zip(parts, groups, strict=True)]
+        else:
+            groups = [
+                shares_prompt(part, overhead, pack) if share and len(idx) else None for part, idx in zip(parts, bins, strict=True)
+            ]
+            if share:  # the ranks of a sharded pool gather the same layers the same times: every rank shares, or none
+                agreed = self.b.agree_flags([g is not None for g in groups])
+                groups = [g if ok else None for g, ok in zip(groups, agreed, strict=True)]
+            # packing changes no collective (one pass per micro-batch either way): each rank decides its own
+            packed = [pack and g is None and packs_rows(part) for part, g in zip(parts, groups, strict=True)]
         self.micro_batches = k
         self.shared_prompts = sum(g is not None for g in groups)
-        return parts, bins, groups
+        self.packed = sum(packed)
+        return parts, bins, groups, packed
 
     @property
     def shares_prompts(self) -> bool:
         """Whether the backend can compute a prompt once for the rows that share it."""
         return bool(getattr(self.b, "shares_prompts", False))
 
+    @property
+    def packs(self) -> bool:
+        """Whether the backend can run a micro-batch's rows packed without their padding."""
+        return bool(getattr(self.b, "packs", False))
+
     # -------------------------------------------------------------- forward
     def probe(self, r: Rollout) -> torch.Tensor | None:
         """The weight sync check's probe scored as :meth:`forward` scores rows, leaving the engine
         as the step's ops left it: the micro-batches :meth:`describe` reports, and FSDP2's
         parameters resharded (a forward-only call keeps the root's gathered in the compute dtype)."""
-        kept = self.micro_batches, self.shared_prompts
+        kept = self.micro_batches, self.shared_prompts, self.packed
         try:
             return self.forward(r, 1)
         finally:
-            self.micro_batches, self.shared_prompts = kept
+            self.micro_batches, self.shared_prompts, self.packed = kept
             reshard = getattr(self.b.model, "reshard", None)
             if callable(reshard):
                 reshard()
 
     @torch.no_grad()
     def forward(
-        self, r: Rollout, micro: int, tokens: int = 0, overhead: float = 0.0, share_prompts: bool = False
+        self,
+        r: Rollout,
+        micro: int,
+        tokens: int = 0,
+        overhead: float = 0.0,
+        share_prompts: bool = False,
+        pack_sequences: bool = False,
     ) -> torch.Tensor | None:
         """Log-probabilities (policy, reference) or values (critic) ``[n, R]`` of the rows, or a
         reward model's scores ``[n]`` (its value at the last response token); None on ranks
         whose outputs the controller does not keep."""
         width = r.response_ids.shape[1]
-        parts, bins, groups = self.split(r, micro, tokens=tokens, overhead=overhead, share=share_prompts)
+        parts, bins, groups, packed = self.split(
+            r, micro, tokens=tokens, overhead=overhead, share=share_prompts, pack=pack_sequences
+        )
         real = [len(idx) for idx in bins]
         # each micro-batch's outputs leave the device as soon as they exist (the rest of the batch runs beside them)
-        got = self.b.run(parts, real, lambda i, part, score: (None, {"out": _host(score(False))}), train=False, groups=groups)
+        got = self.b.run(
+            parts, real, lambda i, part, score: (None, {"out": _host(score(False))}), train=False, **_how(groups, packed)
+        )
         if got is None:
             return None
         scores = self.init.kind == RoleKind.REWARD_MODEL
@@ -350,6 +434,7 @@ class TrainEngine:
         micro_tokens: int = 0,
         micro_overhead: float = 0.0,
         share_prompts: bool = False,
+        pack_sequences: bool = False,
         behaviour: bool = False,
     ) -> dict[str, float]:
         """Optimizer updates over this replica's rows: ``mini_sizes[k]`` rows (in order) belong
@@ -375,7 +460,9 @@ class TrainEngine:
                 ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
                 local = float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)
                 denom = max(self.b.dp_sum(local), 1.0)  # every row of the mini-batch once: replicas hold disjoint rows
-                parts, bins, groups = self.split(mb, micro, unit, micro_tokens, micro_overhead, share_prompts)
+                parts, bins, groups, packed = self.split(
+                    mb, micro, unit, micro_tokens, micro_overhead, share_prompts, pack_sequences
+                )
                 real = [len(idx) for idx in bins]
 
                 first = epoch == 0 and mini == 0
@@ -391,7 +478,7 @@ class TrainEngine:
                     )
 
                 self.b.zero_grad()
-                got = self.b.run(parts, real, fn, train=True, groups=groups) or []
+                got = self.b.run(parts, real, fn, train=True, **_how(groups, packed)) or []
                 lr = lr_at(cfg, self.updates, self.init.total_updates)
                 norm_sum += self.b.step(lr) * (mhi - mlo)
                 self.updates += 1
@@ -470,6 +557,7 @@ class TrainEngine:
             "trains": self.init.optim is not None,
             "micro_batches": self.micro_batches,
             "shared_prompts": self.shared_prompts,
+            "packed": self.packed,
         }
         if held != out["dtype"]:
             out["master_dtype"] = held
@@ -478,6 +566,17 @@ class TrainEngine:
             out["lora"] = lora.short()
             out["trained_params"] = _numel(p for p in params if p.requires_grad)
         return out
+
+
+def _how(groups: list[torch.Tensor | None], packed: list[bool]) -> dict[str, Any]:
+    """How the backend runs each micro-batch: only what some micro-batch asks (a backend that
+    neither shares prompts nor packs is never passed the keywords)."""
+    out: dict[str, Any] = {}
+    if any(g is not None for g in groups):
+        out["groups"] = groups
+    if any(packed):
+        out["packed"] = packed
+    return out
 
 
 def _numel(params: Iterator[torch.Tensor]) -> int:

@@ -1,8 +1,22 @@
-"""One local Ray cluster for the whole test session (started on first use)."""
+"""One local Ray cluster for the whole test session (started on first use), and the tiny policy."""
 
 from __future__ import annotations
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """The shipped tiny policy in fp32, in training mode (one per test module: tests back-propagate through it)."""
+    import torch
+
+    from flowc.runtime.modeling import load_causal_lm
+    from flowc.tasks.arithmetic import asset_dir
+
+    torch.manual_seed(0)
+    m = load_causal_lm(str(asset_dir()), dtype=torch.float32)
+    m.train()
+    return m
 
 
 @pytest.fixture(scope="session")

@@ -79,14 +79,6 @@ def test_shares_only_where_the_prompts_saved_exceed_a_pass():
 
 
 # --------------------------------------------------------- the model's outputs
-@pytest.fixture(scope="module")
-def lm():
-    torch.manual_seed(0)
-    m = load_causal_lm(str(asset_dir()), dtype=torch.float32)
-    m.train()
-    return m
-
-
 def test_shared_log_probs_entropy_and_gradients_equal_one_pass(lm):
     r = grouped([8, 3, 5], 4, [10, 1, 4, 7, 2, 10, 9, 3, 6, 1, 10, 5])
     args = (r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask)

@@ -429,15 +429,31 @@ def test_micro_batches_are_token_budgets_where_the_backend_bins_rows():
 
 def test_a_token_budget_is_priced_faster_than_rows_when_responses_vary():
     """With responses far shorter than their limit on average, the same plan with row
-    micro-batches pays for the padding; pinned rows are predicted slower."""
+    micro-batches pays for the padding; pinned rows are predicted slower (rows padded, not
+    packed: packing removes the padding either way)."""
     w = WorkloadSpec(prompts=64, prompt_len=512, response_len=4096, mean_response_len=800)
-    budget, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.backend=fsdp2"]))
-    rows, _, _ = plan_of(
-        "grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.backend=fsdp2", "actor.train.micro_tokens=0"])
-    )
+    padded = ["actor.train.backend=fsdp2", "actor.train.pack_sequences=false"]
+    budget, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(padded))
+    rows, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins([*padded, "actor.train.micro_tokens=0"]))
     t_budget = budget.roles["actor"].phases["train"].time_s
     t_rows = rows.roles["actor"].phases["train"].time_s
     assert t_budget < t_rows
+
+
+def test_packed_rows_are_priced_without_padding_and_said_so():
+    """fsdp2 packs its rows (no padding computed); the plan shows ``pk`` and why says what it
+    saves; pinned off, the same layout pays for the padding; Megatron never packs."""
+    w = WorkloadSpec(prompts=64, prompt_len=512, response_len=4096, mean_response_len=800)
+    pins = ["actor.train.backend=fsdp2", "actor.train.share_prompts=false"]
+    packed, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(pins))
+    padded, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins([*pins, "actor.train.pack_sequences=false"]))
+    lay = packed.roles["actor"].phases["train"].layout
+    assert lay.pack_sequences and not padded.roles["actor"].phases["train"].layout.pack_sequences
+    assert packed.roles["actor"].phases["train"].time_s < padded.roles["actor"].phases["train"].time_s
+    assert "[packed" in lay.short() or ", packed" in lay.short()
+    assert any("packed sequences" in line and "padding not computed" in line for line in packed.why)
+    mega, _, _ = plan_of("grpo", "qwen2.5-7b", "1x8xH100", w, parse_pins(["actor.train.backend=megatron"]))
+    assert not mega.roles["actor"].phases["train"].layout.pack_sequences
 
 
 def test_a_saved_plan_with_a_token_budget_replans_for_another_workload():
