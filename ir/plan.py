@@ -87,8 +87,9 @@ class Layout(BaseModel):
         pack_sequences: a micro-batch's rows run without their padding, laid end to end in
             a few packed lines, each row attending only to itself (fsdp2, HF models whose mask
             code honours the position restarts: checked once when the engine starts; the
-            runtime packs a micro-batch that has padding and does not share its prompts). A
-            token budget then counts real tokens.
+            runtime packs a micro-batch that has padding or rows sharing a prompt, which it
+            then computes once in the line, where that is cheaper). A token budget then
+            counts the tokens computed.
     """
 
     model_config = _FROZEN

@@ -223,14 +223,10 @@ class OptionTable:
                 fix=f"drop the pin {u.role}.PHASE.share_prompts=true",
             )
         for lay in layouts:
-            can = lay.backend == "fsdp2" and not lay.activation_checkpointing and dem.group > 1
-            packs = lay.backend == "fsdp2"
-            lay = lay.model_copy(
-                update={
-                    "share_prompts": can if share is None else share and can,
-                    "pack_sequences": packs if pack is None else pack and packs,
-                }
-            )
+            packs = lay.backend == "fsdp2" and pack is not False
+            # packed lines compute a shared prompt in the same pass, recomputation or not (the KV-cache sharing cannot)
+            can = lay.backend == "fsdp2" and (packs or not lay.activation_checkpointing) and dem.group > 1
+            lay = lay.model_copy(update={"share_prompts": can if share is None else share and can, "pack_sequences": packs})
             if lay.backend == "megatron" and lay.pp > 1:
                 budget = 0
             elif pinned is not None:

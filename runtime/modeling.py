@@ -385,8 +385,8 @@ def response_logprobs(
     if packed:
         from flowc.runtime.packing import at_slots, packed_forward
 
-        flat, lines = packed_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, value=False, groups=groups)
-        logits = at_slots(flat, lines.index[:, p - 1 : p + r - 1])
+        out, lines = packed_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, value=False, groups=groups)
+        logits = at_slots(out, lines, lines.index[:, p - 1 : p + r - 1])
     elif groups is not None:
         last, resp = shared_prompt_pass(model, prompt_ids, prompt_mask, response_ids, response_mask, groups, value=False)
         logits = torch.cat([last, resp[:, : r - 1]], dim=1)
@@ -423,8 +423,8 @@ def response_values(
     if packed:
         from flowc.runtime.packing import at_slots, packed_forward
 
-        flat, lines = packed_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, value=True, groups=groups)
-        return at_slots(flat, lines.index[:, p - shift : p + r - shift]).float()
+        out, lines = packed_forward(model, prompt_ids, prompt_mask, response_ids, response_mask, value=True, groups=groups)
+        return at_slots(out, lines, lines.index[:, p - shift : p + r - shift]).float()
     if groups is not None:
         last, resp = shared_prompt_pass(model, prompt_ids, prompt_mask, response_ids, response_mask, groups, value=True)
         return (resp if at_tokens else torch.cat([last, resp[:, : r - 1]], dim=1)).float()

@@ -6,7 +6,8 @@ tokens, a third of what it computes can be padding. Packed, the rows' real token
 then response, padding dropped) are placed first-fit-decreasing into lines of ``capacity``
 tokens; each row's position ids restart at 0 and transformers (5.x) builds the block-causal
 mask from those restarts when no attention mask is given (``find_packed_sequence_indices``),
-for every attention implementation and with a model's sliding windows. The outputs are the
+with a model's sliding windows (SDPA and eager attention: flash attention reads the restarts
+only for a batch of one line, so models run with it are not packed). The outputs are the
 padded pass's, token for token (rotary positions and the attended keys are the same), so the
 loss and its gradients are too; a line's unused tail is a sequence of its own whose outputs
 are dropped.
@@ -40,10 +41,6 @@ class Lines:
     where: torch.Tensor  # [S] flat index (line × C + column) of each token computed
     index: torch.Tensor  # [N, P + R] each joined slot's token number, −1 at padding
     mask: torch.Tensor | None = None  # [L, 1, C, C] who attends to whom, where prompts are shared
-
-    @property
-    def computed(self) -> int:
-        return self.ids.numel()
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -79,6 +76,11 @@ def line_capacity(lengths: list[int], ratio: float) -> int:
     """The line width that computes least: lines × width in the weights plus each line's
     dense attention (``ratio`` × width² per line). Tried: the widest row × 1, 2, 4, … and all
     the tokens in one line."""
+    return _best_lines(lengths, ratio)[0]
+
+
+def _best_lines(lengths: list[int], ratio: float) -> tuple[int, float]:
+    """:func:`line_capacity` and what its lines compute (in tokens of weights' compute)."""
     widest, total = max(lengths), sum(lengths)
     best, best_cost = widest, float("inf")
     k = 1
@@ -89,8 +91,18 @@ def line_capacity(lengths: list[int], ratio: float) -> int:
         if cost < best_cost:
             best, best_cost = c, cost
         if c >= total or k >= MAX_WIDTHS:
-            return best
+            return best, best_cost
         k *= 2
+
+
+def shared_lines_pay(prompt_mask: torch.Tensor, present: torch.Tensor, groups: torch.Tensor, ratio: float) -> bool:
+    """Whether lines that compute each prompt once cost less than lines of whole rows: a
+    prompt's piece holds all its rows' responses, so where responses are long a piece is
+    wide and its dense attention can outweigh the prompt tokens saved."""
+    pieces, plen, rlen = _segments(prompt_mask.bool(), present.bool(), groups)
+    tree = [max(plen[rows[0]] + sum(rlen[i] for i in rows), 1) for rows in pieces]
+    plain = [max(a + b, 1) for a, b in zip(plen, rlen, strict=True)]
+    return _best_lines(tree, ratio)[1] < _best_lines(plain, ratio)[1]
 
 
 def _segments(prompt_mask: torch.Tensor, present: torch.Tensor, groups: torch.Tensor | None):
@@ -165,26 +177,28 @@ def pack(
                 count, col = count + q, col + q
         pos[j, col:] = torch.arange(width - col)  # the tail: a sequence of its own
         seg[j, col:] = len(pieces) + j
+    dev = prompt_ids.device
+    pos = pos.to(dev)
     mask = None
-    if groups is not None:
+    if groups is not None:  # built where it is used ([L, 1, C, C]: query row, key column)
+        seg, owner = seg.to(dev), owner.to(dev)
         same = seg.unsqueeze(2) == seg.unsqueeze(1)
         before = pos.unsqueeze(2) >= pos.unsqueeze(1)
         visible = (owner.unsqueeze(1) == -1) | (owner.unsqueeze(1) == owner.unsqueeze(2))
-        allowed = (same & before & visible).unsqueeze(1)  # [L, 1, C, C]: query row, key column
+        mask = (same & before & visible).unsqueeze(1)
         if float_mask is not None:
-            allowed = torch.zeros(allowed.shape, dtype=float_mask).masked_fill(~allowed, torch.finfo(float_mask).min)
-        mask = allowed
-    dev = prompt_ids.device
-    return Lines(tok.to(dev), pos.to(dev), torch.cat(where).to(dev), index.to(dev), None if mask is None else mask.to(dev))
+            mask = torch.zeros(mask.shape, dtype=float_mask, device=dev).masked_fill(~mask, torch.finfo(float_mask).min)
+    return Lines(tok.to(dev), pos, torch.cat(where).to(dev), index.to(dev), mask)
 
 
-def at_slots(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``flat [S, …]`` (one entry per real token) at the padded slots ``index [N, W]`` (−1:
-    padding, which gets zeros): ``[N, W, …]``."""
-    out = flat.new_zeros((*index.shape, *flat.shape[1:]))
+def at_slots(out: torch.Tensor, lines: Lines, index: torch.Tensor) -> torch.Tensor:
+    """The lines' output ``out [L·C, …]`` (flattened) at the padded slots ``index [N, W]``
+    (token numbers, −1: padding, which gets zeros): ``[N, W, …]``, gathered once (a model's
+    logits are not copied whole on the way)."""
+    res = out.new_zeros((*index.shape, *out.shape[1:]))
     ok = index >= 0
-    out[ok] = flat[index[ok]]
-    return out
+    res[ok] = out[lines.where[index[ok]]]
+    return res
 
 
 def packed_forward(
@@ -200,9 +214,9 @@ def packed_forward(
     hidden: bool = False,
 ) -> tuple[torch.Tensor, Lines]:
     """``model`` over the rows packed in lines (:func:`pack`; ``groups``: each prompt once):
-    its output per token computed ``[S, …]`` (logits, or with ``value`` the head's values, or
-    with ``hidden`` a value model's last hidden states) and the :class:`Lines` that place them
-    (``Lines.index``)."""
+    its output over the lines, flattened ``[L·C, …]`` (logits, or with ``value`` the head's
+    values, or with ``hidden`` a value model's last hidden states), and the :class:`Lines`
+    that place them (:func:`at_slots`)."""
     lines = pack(
         prompt_ids,
         prompt_mask,
@@ -218,13 +232,14 @@ def packed_forward(
         out = model(**kw, hidden=True) if hidden else model(**kw)
     else:
         out = model(**kw, use_cache=False).logits
-    return out.reshape(-1, *out.shape[2:])[lines.where], lines
+    return out.reshape(-1, *out.shape[2:]), lines
 
 
 def attention_kind(model: nn.Module) -> str:
-    """The attention implementation the model's layers run (``sdpa``, ``eager``, ``flash_attention_2``, …)."""
+    """The attention implementation the model's layers run (``sdpa``, ``eager``,
+    ``flash_attention_2``, …; empty when the model does not say)."""
     cfg = getattr(model, "config", None)
-    return str(getattr(cfg, "_attn_implementation", None) or "eager")
+    return str(getattr(cfg, "_attn_implementation", None) or "")
 
 
 def additive_mask(model: nn.Module) -> torch.dtype | None:
@@ -235,20 +250,25 @@ def additive_mask(model: nn.Module) -> torch.dtype | None:
     return next(model.parameters()).dtype
 
 
-# attention implementations that take an explicit [L, 1, C, C] mask (flash attention takes none: a
-# shared prompt cannot be packed there, plain rows still can by their position restarts)
-EXPLICIT_MASKS = ("sdpa", "eager")
+# attention implementations that packed lines run on: they take the mask transformers builds from the
+# position restarts of several lines, and an explicit [L, 1, C, C] mask (flash attention reads restarts
+# only in a batch of one line, and takes no mask)
+PACKED_KERNELS = ("sdpa", "eager")
 
 
 @torch.no_grad()
-def packing_support(model: nn.Module, *, value: bool, vocab: int) -> tuple[bool, bool]:
+def packing_support(model: nn.Module, *, value: bool, vocab: int, compute: torch.dtype | None = None) -> tuple[bool, bool]:
     """Whether ``model`` computes packed lines as the padded rows they hold: plain rows (by
     their position restarts), and rows sharing a prompt (by an explicit mask). Checked on a
     small batch — a row of its own prompt, and two rows of another prompt with responses of
-    different lengths, left-padded as rollouts are — against the padded pass, on the outputs'
-    inputs (logits; a critic's head is zero at the start, so its trunk's last hidden state).
-    A model whose mask code ignored the restarts or the mask would let a row attend to
-    another's tokens and differ by far more than rounding."""
+    different lengths, left-padded as rollouts are — in two lines, against the padded pass,
+    on the outputs' inputs (logits; a critic's head is zero at the start, so its trunk's last
+    hidden state). A model whose mask code ignored the restarts or the mask would let a row
+    attend to another's tokens and differ by far more than rounding. ``compute``: the dtype
+    the model will run in (rounding grows in 16 bits). Run it on the whole model in one
+    process (before sharding: no collectives, the same answer on every rank)."""
+    if attention_kind(model) not in PACKED_KERNELS:
+        return False, False
     was = model.training
     model.eval()
     try:
@@ -269,22 +289,19 @@ def packing_support(model: nn.Module, *, value: bool, vocab: int) -> tuple[bool,
             padded = model(input_ids=ids, attention_mask=mask, position_ids=pos, hidden=True)
         else:
             padded = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        tol = 1e-3 if param.dtype == torch.float32 else 5e-2
+        tol = 1e-3 if param.dtype == torch.float32 and compute in (None, torch.float32) else 5e-2
 
-        def same(groups: torch.Tensor | None) -> bool:
-            flat, lines = packed_forward(model, *args, value=value, groups=groups, capacity=64, hidden=value)
-            if lines.ids.shape[0] != 1:
+        def same(groups: torch.Tensor | None, capacity: int) -> bool:
+            out, lines = packed_forward(model, *args, value=value, groups=groups, capacity=capacity, hidden=value)
+            if lines.ids.shape[0] != 2:  # rows of one line beside a line of its own: both ways lines meet
                 return False
             a = padded[mask.bool()].float()
-            b = flat[lines.index[mask.bool()]].float()
+            b = out[lines.where[lines.index[mask.bool()]]].float()
             return bool(((a - b).norm() / a.norm().clamp(min=1e-12)).item() < tol)
 
-        plain = same(None)
-        shared = plain and one_prefix_safe(model) and attention_kind(model) in EXPLICIT_MASKS
-        shared = shared and same(prompt_groups(args[0], args[1]))
-        return plain, shared
+        # rows 8, 6 and 7 tokens long: two lines of 14; the shared piece (5 + 3 + 1) and the row of 7: lines of 9
+        plain = same(None, 14)
+        shared = one_prefix_safe(model) and same(prompt_groups(args[0], args[1]), 9)
+        return plain, plain and shared
     finally:
         model.train(was)
-        reshard = getattr(model, "reshard", None)
-        if callable(reshard):
-            reshard()

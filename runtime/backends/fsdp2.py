@@ -14,6 +14,7 @@ mini-batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +39,9 @@ from flowc.runtime.modeling import (
     save_hf,
     value_state,
 )
-from flowc.runtime.packing import packing_support
+from flowc.runtime.packing import attention_kind, attention_ratio, packing_support
+
+log = logging.getLogger(__name__)
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -108,13 +111,23 @@ class Fsdp2Trainer:
             lm.gradient_checkpointing_enable()
             if self.lora is not None and hasattr(lm, "enable_input_require_grads"):
                 lm.enable_input_require_grads()  # frozen embeddings: checkpointed layers still need a grad path
-        self.model = parallelize(model, layout=init.layout, compute=self.compute if load_dtype == torch.float32 else None)
-        # packed micro-batches where the plan packs and this model computes packed lines as their rows (checked once):
-        # plain rows, and rows that share a prompt computed once in the same pass
+        # packed micro-batches where the plan packs and this model computes packed lines as their rows: plain rows, and
+        # rows that share a prompt computed once in the same pass — checked once on the whole model, before sharding
         self.packs, self.packs_shared = False, False
+        self.attention_ratio = attention_ratio(model)
         if init.layout.pack_sequences:
             vocab = getattr(getattr(lm, "config", None), "vocab_size", 2)
-            self.packs, self.packs_shared = packing_support(self.model, value=not self.lm_head, vocab=vocab)
+            found = packing_support(model, value=not self.lm_head, vocab=vocab, compute=self.compute)
+            self.packs, self.packs_shared = all_true(list(found)) if world()[0] > 1 else found
+            if not self.packs or (init.layout.share_prompts and not self.packs_shared):
+                log.warning(
+                    "%s: %s does not compute packed lines as its padded rows (%s attention): it runs %s",
+                    init.role,
+                    init.source,
+                    attention_kind(model) or "unknown",
+                    "rows packed, each prompt in every row" if self.packs else "padded rows",
+                )
+        self.model = parallelize(model, layout=init.layout, compute=self.compute if load_dtype == torch.float32 else None)
         self.is_output = True  # no model parallelism: every rank answers for its own rows
         self.last_received = 0.0
         self.opt: torch.optim.Optimizer | None = None

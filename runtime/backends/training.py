@@ -32,6 +32,7 @@ from flowc.ir.run_config import OptimConfig
 from flowc.runtime.backends import Score, Trainer, built_backend
 from flowc.runtime.batches import even_split, num_rows, slice_rows, take_rows
 from flowc.runtime.modeling import prompt_groups
+from flowc.runtime.packing import shared_lines_pay
 
 # statistics a micro-batch reports as its share of the mini-batch's loss (divided by the whole
 # mini-batch's denominator): they add up over micro-batches, where the others are averaged
@@ -338,8 +339,13 @@ class TrainEngine:
         k = self.b.agree(max(1, len(bins)))
         bins += [torch.arange(0)] * (k - len(bins))
         parts = [trim(take_rows(r, idx) if len(idx) else slice_rows(r, 0, unit)) for idx in bins]
-        if tree:  # a micro-batch whose rows share a prompt computes it once in its packed lines
+        if tree:  # a micro-batch whose rows share a prompt computes it once in its packed lines, where that is cheaper
+            ratio = float(getattr(self.b, "attention_ratio", 0.0))
             groups = [shares_prompt(part, 0.0) if len(idx) else None for part, idx in zip(parts, bins, strict=True)]
+            groups = [
+                g if g is not None and shared_lines_pay(part.prompt_mask, part.present, g, ratio) else None
+                for part, g in zip(parts, groups, strict=True)
+            ]
             packed = [g is not None or packs_rows(part) for part, g in zip(parts, groups, strict=True)]
         else:
             groups = [

@@ -30,7 +30,7 @@ from flowc.runtime.modeling import (
     response_logprobs,
     response_values,
 )
-from flowc.runtime.packing import first_fit, line_capacity, pack, packing_support
+from flowc.runtime.packing import first_fit, line_capacity, pack, packing_support, shared_lines_pay
 from flowc.tasks.arithmetic import asset_dir
 
 
@@ -70,6 +70,14 @@ def test_pack_maps_every_slot_and_shares_a_prompt_once():
     q, k0, p0 = line.index(14), line.index(11), line.index(7)
     assert allowed[q, p0] and allowed[q, q] and not allowed[q, k0]
     assert not allowed[p0, q]  # the prompt sees nothing after it
+
+
+def test_a_prompt_is_shared_in_a_line_only_where_that_computes_less():
+    r = grouped([8, 8], 4, [10, 10, 10, 10, 1, 1, 1, 1])
+    groups = prompt_groups(r.prompt_ids, r.prompt_mask)
+    assert shared_lines_pay(r.prompt_mask, r.present, groups, 0.0)  # attention free: the prompts saved are all there is
+    # attention dear: a piece of a prompt and its 4 rows' responses (48 wide) costs more than rows of 18
+    assert not shared_lines_pay(r.prompt_mask, r.present, groups, 1.0)
 
 
 def test_packs_rows_only_where_a_micro_batch_has_padding():
@@ -173,6 +181,13 @@ def test_a_model_that_would_attend_across_rows_is_caught(lm, monkeypatch):
     import transformers.masking_utils as mu
 
     monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda position_ids: None)
+    assert packing_support(lm, value=False, vocab=lm.config.vocab_size) == (False, False)
+
+
+def test_flash_attention_is_not_packed(lm, monkeypatch):
+    """Flash attention reads position restarts only in a batch of one line: rows in several
+    lines would attend across each other there, so such a model is not packed at all."""
+    monkeypatch.setattr(lm.config, "_attn_implementation", "flash_attention_2", raising=False)
     assert packing_support(lm, value=False, vocab=lm.config.vocab_size) == (False, False)
 
 
