@@ -11,9 +11,12 @@ in a fresh interpreter: ``rows`` is one micro-batch of all 64 rows (what row mic
 the planned size run: every row padded to the widest), ``cuts`` the planner's budget with its
 ``micro_overhead_tokens`` (rows sorted by length, cut where padding saved exceeds a
 micro-batch's fixed cost), ``fill32`` a budget of 32 rows of the longest length filled
-greedily, and ``shared`` the planner's cuts with ``share_prompts`` (the rows come in groups of
+greedily, ``shared`` the planner's cuts with ``share_prompts`` (the rows come in groups of
 8 samples of one prompt, as GRPO's: a micro-batch where it pays computes each distinct prompt
-once, then the responses on its KV cache). Modes alternate within each round; reported: the
+once, then the responses on its KV cache), ``packed`` the rows without their padding in packed
+lines (``pack_sequences``), and ``packed_shared`` packed lines that hold each prompt once with
+its rows' responses after it (both, as the planner now plans the bench's run). Modes
+alternate within each round; reported: the
 median update time, the micro-batches it ran (and of those, how many shared their prompts),
 the tokens it computed (padding included), and the ratio to ``rows``.
 """
@@ -96,8 +99,9 @@ def batch():
     return r, torch.randn(ROWS, generator=g), pmask, rmask
 
 
-def engine(model: str, dtype: str):
-    """flowc's shared training loop on fsdp2 in this process (all its cores), as the bench runs it."""
+def engine(model: str, dtype: str, pack: bool = False):
+    """flowc's shared training loop on fsdp2 in this process (all its cores), as the bench runs it
+    (``pack``: built for packed micro-batches, which checks the model packs correctly)."""
     import torch
 
     from flowc.ir.plan import Layout
@@ -107,7 +111,8 @@ def engine(model: str, dtype: str):
     from flowc.runtime.backends.training import TrainEngine
 
     torch.set_num_threads(os.cpu_count() or 1)
-    init = EngineInit(role="actor", kind="policy", source=model, layout=Layout(), dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
+    layout = Layout(pack_sequences=pack)
+    init = EngineInit(role="actor", kind="policy", source=model, layout=layout, dtype=dtype, seed=0, optim=OptimConfig(lr=1e-6))
     return TrainEngine(Fsdp2Trainer(init))
 
 
@@ -152,20 +157,32 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
 
     from flowc.runtime.backends.training import shares_prompt, token_bins, trim
     from flowc.runtime.batches import take_rows
+    from flowc.runtime.packing import pack
 
-    eng = engine(model, dtype)
-    r, adv, pmask, rmask = batch()
+    cut = {"micro": ROWS, "micro_tokens": budget, "micro_overhead": overhead}
     kw = {
         "rows": {"micro": ROWS},
-        "cuts": {"micro": ROWS, "micro_tokens": budget, "micro_overhead": overhead},
-        "shared": {"micro": ROWS, "micro_tokens": budget, "micro_overhead": overhead, "share_prompts": True},
+        "cuts": cut,
+        "shared": {**cut, "share_prompts": True},
         "fill32": {"micro": ROWS, "micro_tokens": 32 * (PROMPT + RESPONSE)},
+        "packed": {**cut, "pack_sequences": True},
+        "packed_shared": {**cut, "pack_sequences": True, "share_prompts": True},
     }[mode]
-    share = kw.get("share_prompts", False)
+    share, packed = kw.get("share_prompts", False), kw.get("pack_sequences", False)
+    eng = engine(model, dtype, pack=packed)
+    r, adv, pmask, rmask = batch()
+    if packed:  # the micro-batches as the engine cuts them, and what their lines compute
+        parts, bins, groups, _ = eng.split(r, ROWS, 1, budget, overhead, share, True)
+        ratio = eng.b.attention_ratio
+        lines = [
+            pack(p.prompt_ids, p.prompt_mask, p.response_ids, p.present, ratio, groups=g)
+            for p, g in zip(parts, groups, strict=True)
+        ]
+        computed = sum(x.ids.numel() for x in lines)
     bins = (
         token_bins(r, kw["micro_tokens"], 1, kw.get("micro_overhead", 0.0), share)
-        if "micro_tokens" in kw
-        else [torch.arange(ROWS)]
+        if "micro_tokens" in kw and not packed
+        else (bins if packed else [torch.arange(ROWS)])
     )
 
     def tokens(b: torch.Tensor) -> int:  # what the micro-batch computes: prompts once per distinct prompt when shared
@@ -178,7 +195,7 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
         )
         return prompts * wp + len(b) * wq
 
-    padded = sum(tokens(b) for b in bins)
+    padded = computed if packed else sum(tokens(b) for b in bins)
 
     def update() -> None:
         grpo_update(eng, r, adv, **kw)
@@ -194,6 +211,7 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
         "micro_batches": eng.micro_batches,
         "padded": padded,
         "shared": eng.shared_prompts,
+        "packed": eng.packed,
     }
 
 
@@ -211,7 +229,7 @@ def main() -> None:
 
     cache = ROOT / "bench" / ".cache"
     cache.mkdir(exist_ok=True)
-    modes = ("rows", "cuts", "fill32", "shared")
+    modes = ("rows", "cuts", "fill32", "shared", "packed", "packed_shared")
     rows = []
     for size in args.sizes.split(","):
         model = model_dir(size, cache)
@@ -244,7 +262,8 @@ def main() -> None:
                         mode,
                         ms,
                         f"{got[mode][0]['micro_batches']}"
-                        + (f" ({got[mode][0]['shared']} shared)" if got[mode][0]["shared"] else ""),
+                        + (f" ({got[mode][0]['shared']} shared)" if got[mode][0]["shared"] else "")
+                        + (f" ({got[mode][0]['packed']} packed)" if got[mode][0].get("packed") else ""),
                         got[mode][0]["padded"],
                         ms / base,
                         pl["overhead"],

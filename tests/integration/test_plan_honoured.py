@@ -59,10 +59,13 @@ def test_layouts_dtype_and_worker_settings_are_followed(ray_cluster, tmp_path):
     for ph in ("train", "forward"):
         # 256 rows a rank in micro-batches of 64 rows: 4 micro-batches
         # each micro-batch (64 rows: 8 prompts × 8 samples) computes its prompts once wherever that saves anything
-        plan["roles"]["actor"]["phases"][ph]["layout"].update(fsdp=sharded, micro_batch=64, micro_tokens=0, share_prompts=True)
+        # (padded rows: the prompts computed once on their KV cache)
+        plan["roles"]["actor"]["phases"][ph]["layout"].update(
+            fsdp=sharded, micro_batch=64, micro_tokens=0, share_prompts=True, pack_sequences=False
+        )
         plan["roles"]["actor"]["phases"][ph]["micro_overhead_tokens"] = 0.0
-    # a token budget the 256 rows fit in: one micro-batch, not 8, which computes its 32 prompts once
-    ref["layout"].update(micro_batch=32, micro_tokens=10**6, share_prompts=True)
+    # a token budget the 256 rows fit in: one micro-batch, not 8, which computes its 32 prompts once, in packed lines
+    ref["layout"].update(micro_batch=32, micro_tokens=10**6, share_prompts=True, pack_sequences=True)
     ref["micro_overhead_tokens"] = 0.0
     plan["target"].update(dtype="bfloat16", cpus_per_worker=2.0, timeout_s=321.0)
     # the weight sync of that layout: sharded weights are gathered whole, replicated ones are whole already
@@ -84,10 +87,11 @@ def test_layouts_dtype_and_worker_settings_are_followed(ray_cluster, tmp_path):
             "trains": True,
             "micro_batches": 4,
             "shared_prompts": 4,
+            "packed": 0,
         }
     for r in e["ref/forward"]:
         assert r["sharded"] == ref["layout"]["fsdp"] and r["dtype"] == "bfloat16" and r["micro_batches"] == 1
-        assert r["shared_prompts"] == 1  # a forward op shares too
+        assert r["shared_prompts"] == 1 and r["packed"] == 1  # a forward op shares too, in its packed lines
     assert all(x["dtype"] == "bfloat16" and x["backend"] == "hf" for x in e["actor/rollout"])
     workers = [w for ws in described.values() for w in ws]
     assert all(w["threads"] == 2 and w["timeout_s"] == 321.0 for w in workers)

@@ -84,12 +84,15 @@ def _grpo(model: str, sets: list[str], cluster: str = "1x8xH100", pins: list[str
 def test_plan_with_lora_records_it_and_its_memory():
     """Llama-3.1-70B GRPO on one 8×H100 node: trained whole, the actor's state must be offloaded
     to the host; with LoRA r16 its gradients and optimizer state are the adapters' alone and
-    the whole state stays on the GPUs."""
+    the whole state can stay on the GPUs (the planner may still offload the frozen base to
+    leave the generation engine more cache: pinned resident, the plan is feasible)."""
     full, _ = _grpo("llama-3.1-70b", [])
     lora, _ = _grpo("llama-3.1-70b", ["optim.actor.lora.rank=16"])
+    resident = ["actor.train.offload_params=false", "actor.train.offload_optimizer=false"]
+    kept, _ = _grpo("llama-3.1-70b", ["optim.actor.lora.rank=16"], pins=resident)
     assert full.roles["actor"].lora is None and lora.roles["actor"].lora == R16
     assert lora.roles["ref"].lora is None  # only trained roles have adapters
-    tr_full, tr = full.phase("actor", "train"), lora.phase("actor", "train")
+    tr_full, tr = full.phase("actor", "train"), kept.phase("actor", "train")
     assert tr_full.layout.offload_params  # 70B × 16 bytes does not fit 8 × 80 GB
     assert tr.layout.backend == "fsdp2" and not tr.layout.offload_params and not tr.layout.offload_optimizer
     m = ModelSpec.resolve("llama-3.1-70b")
