@@ -41,11 +41,13 @@ def test_first_fit_places_longest_first_into_the_first_line_with_room():
 
 
 def test_line_capacity_trades_line_tails_against_dense_attention():
-    lengths = [30, 7, 7, 7, 7, 20, 12, 5]
-    assert line_capacity(lengths, 0.0) == sum(lengths)  # attention free: one line, no tail
-    assert line_capacity(lengths, 1.0) == max(lengths)  # attention dear: lines as narrow as the widest row
-    c = line_capacity(lengths, 2.4e-4)  # a 34 M model's ratio
-    assert max(lengths) <= c <= sum(lengths)
+    lengths = [30, 7, 7, 7, 7, 20, 12, 5]  # 95 tokens
+    assert line_capacity(lengths, 1.0) == 32  # attention dear: lines as narrow as the widest row's power of two
+    assert line_capacity([30, 30, 30, 5], 0.0) == 32  # three full lines and one of 5 (128) beat 64 + 64 (128): the first
+    assert line_capacity([40, 40, 40], 0.0) == 128  # one line of 128 against three of 64 (192)
+    for ratio in (0.0, 2.4e-4, 1e-2):  # always a power of two the widest row fits
+        c = line_capacity(lengths, ratio)
+        assert c & (c - 1) == 0 and 32 <= c <= 128
 
 
 def test_pack_maps_every_slot_and_shares_a_prompt_once():
@@ -75,9 +77,11 @@ def test_pack_maps_every_slot_and_shares_a_prompt_once():
 def test_a_prompt_is_shared_in_a_line_only_where_that_computes_less():
     r = grouped([8, 8], 4, [10, 10, 10, 10, 1, 1, 1, 1])
     groups = prompt_groups(r.prompt_ids, r.prompt_mask)
-    assert shared_lines_pay(r.prompt_mask, r.present, groups, 0.0)  # attention free: the prompts saved are all there is
-    # attention dear: a piece of a prompt and its 4 rows' responses (48 wide) costs more than rows of 18
-    assert not shared_lines_pay(r.prompt_mask, r.present, groups, 1.0)
+    # attention free: the prompts saved are all there is (pieces of 48 and 12 in one line of 64, rows in 4 of 32)
+    assert shared_lines_pay(r.prompt_mask, r.present, groups, 0.0)
+    # attention dear: a piece of a prompt and its 4 rows' 30-token responses needs a line of 128, rows of 38 fit 64
+    long = grouped([8, 8], 4, [30, 30, 30, 30, 1, 1, 1, 1], r=30)
+    assert not shared_lines_pay(long.prompt_mask, long.present, prompt_groups(long.prompt_ids, long.prompt_mask), 1.0)
 
 
 def test_packs_rows_only_where_a_micro_batch_has_padding():
