@@ -31,8 +31,9 @@ from flowc.ir.plan import (
 from flowc.passes.costs import MemoryGB, PhaseCost
 from flowc.passes.devices import assign_devices, node_count, ranges
 from flowc.passes.flops import forward_flops, useful_train_flops
+from flowc.passes.generation_costs import takes_device_share
 from flowc.passes.manager import PlanContext
-from flowc.passes.pools import MAX_UTILIZATION, MIN_UTILIZATION, PoolChoice, takes_device_share
+from flowc.passes.pools import MAX_UTILIZATION, MIN_UTILIZATION, PoolChoice
 from flowc.passes.reshard import lower_bound_bytes
 from flowc.passes.schedule import SyncSpec, simulate
 from flowc.passes.search import Candidate, cross_pool_sync

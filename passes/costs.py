@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field, make_dataclass
+from typing import NamedTuple
 
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.hardware import Efficiency, RolloutCost
@@ -126,9 +127,9 @@ def shape_efficiency(tokens_per_micro: float, width: float, hw: Hw | None = None
 
 
 # ------------------------------------------------------------------ params
-@dataclass(frozen=True)
-class ParamSplit:
-    """Parameters per device of a layout (dense part over tp·pp, experts over ep·pp)."""
+class ParamSplit(NamedTuple):
+    """Parameters per device of a layout (dense part over tp·pp, experts over ep·pp). A tuple:
+    the planner builds one for every cost it prices (hundreds of thousands per search)."""
 
     dense: float
     expert: float

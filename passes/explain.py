@@ -89,9 +89,9 @@ def alternatives(ctx: PlanContext, result: SearchResult) -> list[Alternative]:
         for u in block:
             if table.units[u].generates:
                 continue
-            opts = table.options(u, ch.devices)
-            if opts.oom is not None and len(out) < MAX_ALTERNATIVES:
-                out.append(_oom_alternative(table.units[u].role, u, opts.oom, table.capacity_gb))
+            miss = table.faster_miss(u, ch.devices)
+            if miss is not None and len(out) < MAX_ALTERNATIVES:
+                out.append(_oom_alternative(table.units[u].role, u, miss, table.capacity_gb))
     # co-locations that cannot work at all
     for part, reason in result.infeasible.items():
         if len(out) >= MAX_ALTERNATIVES + 2:
@@ -338,9 +338,9 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
             lay = o.layouts.get("train") or o.layouts["forward"]
             opts = table.options(u, ch.devices)
             extra = ""
-            if opts.oom is not None:
-                o2 = opts.oom.layouts.get("train", opts.oom.layouts.get("forward"))
-                extra = f"; the faster {o2.short()} {o2.micro_label} needs {opts.oom.need_gb:.1f} GB"
+            if (miss := table.faster_miss(u, ch.devices)) is not None:
+                o2 = miss.layouts.get("train", miss.layouts.get("forward"))
+                extra = f"; the faster {o2.short()} {o2.micro_label} needs {miss.need_gb:.1f} GB"
             elif opts.front and opts.front[0] is not o:
                 f0 = opts.front[0].layouts.get("train", opts.front[0].layouts.get("forward"))
                 extra = f"; its fastest layout alone ({f0.short()} {f0.micro_label}) leaves too little memory for the roles it shares devices with"

@@ -22,6 +22,13 @@ from flowc.passes.flops import Demand, attention_flops_per_token, forward_flops,
 from flowc.passes.response_lengths import continuous_batch
 
 
+def takes_device_share(backend: str, kind: str) -> bool:
+    """Whether a rollout engine is given a share of each device (vLLM on GPUs: its
+    ``gpu_memory_utilization``); the HF loop allocates as it goes and vLLM on CPUs is given its
+    KV cache in bytes."""
+    return kind == "gpu" and backend not in STATIC_BATCH_BACKENDS
+
+
 def generation_weights_gb(m: ModelSpec, lay: Layout) -> float:
     return m.bytes_per_param * params_per_device(m, lay).total / GB
 

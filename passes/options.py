@@ -10,16 +10,18 @@ too, to say why the planner did not take it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cache
 
 from flowc.errors import SpecError
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.ir.workload import WorkloadSpec
-from flowc.passes.costs import GB, Hw, PhaseCost, replica_sequences
+from flowc.passes.costs import GB, Hw, PhaseCost, params_per_device, replica_sequences, train_state_gb
 from flowc.passes.flops import Demand
-from flowc.passes.generation_costs import generation_weights_gb
+from flowc.passes.generation_costs import generation_weights_gb, takes_device_share
 from flowc.passes.pins import PhasePin, Pins
 from flowc.passes.train_costs import forward_cost, train_cost
 from flowc.passes.units import Unit
@@ -52,7 +54,19 @@ class UnitOption:
 @dataclass
 class UnitOptions:
     front: list[UnitOption]
-    oom: UnitOption | None = None  # fastest option that does not fit, if faster than the front
+    oom: UnitOption | None = None  # when nothing fits: the nearest miss
+
+
+@dataclass
+class _Scan:
+    """A unit's layouts on some devices as :meth:`OptionTable._scan` priced them."""
+
+    price: Callable[[Layout], UnitOption]
+    priced: list[UnitOption] = field(default_factory=list)
+    misses: list[tuple[list[Layout], int, UnitOption]] = field(
+        default_factory=list
+    )  # (chain, index of its first miss, its price)
+    hopeless: list[tuple[float, list[Layout]]] = field(default_factory=list)  # (resident state, chain), ascending
 
 
 def divisors(n: int) -> list[int]:
@@ -86,11 +100,25 @@ def tp_refusal(m: ModelSpec, d: int, tp: int, hw: Hw, *, across_nodes: bool = Fa
 
 
 _DEFAULTS = {k: f.default for k, f in Layout.model_fields.items()}
+_FIELDS = frozenset(_DEFAULTS)
 
 
 def _layout(**kw) -> Layout:
-    """A Layout built without validation (the enumerator only makes valid ones)."""
-    return Layout.model_construct(**{**_DEFAULTS, **kw})
+    """A Layout built without validation (the enumerator only makes valid ones). The search
+    builds hundreds of thousands at cluster scale: this sets the instance's state as pydantic's
+    ``model_construct`` would with every field given, at a fraction of its cost (checked equal by
+    tests/unit/test_planner_speed.py)."""
+    lay = object.__new__(Layout)
+    object.__setattr__(lay, "__dict__", {**_DEFAULTS, **kw})
+    object.__setattr__(lay, "__pydantic_fields_set__", set(_FIELDS))
+    object.__setattr__(lay, "__pydantic_extra__", None)
+    object.__setattr__(lay, "__pydantic_private__", None)
+    return lay
+
+
+def _with(lay: Layout, **kw) -> Layout:
+    """``lay.model_copy(update=kw)`` for the enumerator's unvalidated layouts."""
+    return _layout(**{**lay.__dict__, **kw})
 
 
 PP_LIMIT = 16  # deeper pipelines pay per-stage overheads the model does not price
@@ -148,7 +176,7 @@ class OptionTable:
     # -------------------------------------------------------------- layouts
     def _train_layouts(self, u: Unit, m: ModelSpec, d: int) -> list[Layout]:
         pin = self.pins.phase(u.role, "train").merged(self.pins.phase(u.role, "forward"))
-        out: list[Layout] = []
+        out: list[dict] = []  # the fields each layout sets; _budgeted makes them Layouts
         long_ctx = self.demand[u.update_op or u.ops[-1]].seq_len >= 8192
         gpu = self.hw.kind == "gpu"  # Megatron and offload need GPUs
         # FSDP2's CPUOffloadPolicy moves parameters, gradients and optimizer state together:
@@ -162,7 +190,7 @@ class OptionTable:
                     # FSDP2 (+ optional DTensor TP): pp = cp = 1, no expert parallel
                     for off_p, off_o in offloads:
                         out.append(
-                            _layout(
+                            dict(
                                 dp=rest,
                                 tp=tp,
                                 backend="fsdp2",
@@ -174,9 +202,7 @@ class OptionTable:
                             )
                         )
                     # replicated data parallelism (DDP): no gathers, every rank holds the whole state
-                    out.append(
-                        _layout(dp=rest, tp=tp, backend="fsdp2", fsdp=False, activation_checkpointing=ckpt, micro_batch=mb)
-                    )
+                    out.append(dict(dp=rest, tp=tp, backend="fsdp2", fsdp=False, activation_checkpointing=ckpt, micro_batch=mb))
                     # Megatron-core: tp, pp, cp, ep with the distributed optimizer
                     for pp in pp_choices(rest, m.num_layers) if gpu else ():
                         for cp in _powers_dividing(rest // pp, 8 if long_ctx else 2):  # the cost decides
@@ -186,7 +212,7 @@ class OptionTable:
                             for ep in eps:
                                 for off_o in (False, True):
                                     out.append(
-                                        _layout(
+                                        dict(
                                             dp=dp,
                                             tp=tp,
                                             pp=pp,
@@ -198,11 +224,11 @@ class OptionTable:
                                             micro_batch=mb,
                                         )
                                     )
-        out = self._budgeted(u, out, pin.micro_tokens, pin.share_prompts, pin.pack_sequences)
-        return [lay for lay in out if pin.allows(lay) and self.pins.within_limits(lay)]
+        lays = self._budgeted(u, out, pin.micro_tokens, pin.share_prompts, pin.pack_sequences)
+        return [lay for lay in lays if pin.allows(lay) and self.pins.within_limits(lay)]
 
     def _budgeted(
-        self, u: Unit, layouts: list[Layout], pinned: int | None, share: bool | None = None, pack: bool | None = None
+        self, u: Unit, layouts: list[dict], pinned: int | None, share: bool | None = None, pack: bool | None = None
     ) -> list[Layout]:
         """Token budgets for the micro-batches wherever the backend runs them: ``micro_batch``
         rows of the workload's longest length (what memory is priced at), so shorter rows
@@ -213,7 +239,11 @@ class OptionTable:
         Shared prompts wherever fsdp2 runs rows that share a prompt without recomputing
         activations (the runtime shares only in a micro-batch where it pays, and the cost
         model prices the same choice); ``share`` pinned fixes it. Packed rows (no padding)
-        wherever fsdp2 runs them; ``pack`` pinned fixes it."""
+        wherever fsdp2 runs them; ``pack`` pinned fixes it.
+
+        ``layouts`` are the fields the enumerators set (the rest at their defaults). A micro-batch
+        larger than a replica's sequences can use is dropped here, before its layout is built
+        (:meth:`micro_batch_useful`), unless the workload fixes the micro-batch."""
         dem = self.demand[u.update_op or u.ops[-1]]
         longest = dem.prompt_len + dem.response_len
         out = []
@@ -222,24 +252,37 @@ class OptionTable:
                 f"{u.role}: share_prompts is pinned, but the rows its {u.name} ops read do not share prompts (one sample per prompt)",
                 fix=f"drop the pin {u.role}.PHASE.share_prompts=true",
             )
-        for lay in layouts:
-            packs = lay.backend == "fsdp2" and pack is not False
+        fixed = self.workload.train_micro_batch if u.trainable else self.workload.forward_micro_batch
+        useful: dict[tuple[int, int], bool] = {}
+        for raw in layouts:
+            lay = {**_DEFAULTS, **raw}
+            fsdp2, cp = lay["backend"] == "fsdp2", lay["cp"]
+            packs = fsdp2 and pack is not False
             # packed lines compute a shared prompt in the same pass, recomputation or not (the KV-cache sharing cannot)
-            can = lay.backend == "fsdp2" and (packs or not lay.activation_checkpointing) and dem.group > 1
-            lay = lay.model_copy(update={"share_prompts": can if share is None else share and can, "pack_sequences": packs})
-            if lay.backend == "megatron" and lay.pp > 1:
+            can = fsdp2 and (packs or not lay["activation_checkpointing"]) and dem.group > 1
+            mb = lay["micro_batch"]
+            if lay["backend"] == "megatron" and lay["pp"] > 1:
                 budget = 0
             elif pinned is not None:
                 budget = pinned
                 if pinned:  # the rows of the longest length the pinned budget holds
-                    lay = lay.model_copy(update={"micro_batch": max(1, pinned // (longest // lay.cp or 1))})
+                    mb = max(1, pinned // (longest // cp or 1))
             else:
-                budget = lay.micro_batch * max(longest // lay.cp, 1)
-            out.append(lay.model_copy(update={"micro_tokens": budget}))
+                budget = mb * max(longest // cp, 1)
+            if not fixed:
+                key = (lay["dp"], mb)
+                if key not in useful:
+                    useful[key] = self.micro_batch_useful(u, *key)
+                if not useful[key]:
+                    continue
+            lay.update(
+                share_prompts=can if share is None else share and can, pack_sequences=packs, micro_batch=mb, micro_tokens=budget
+            )
+            out.append(_layout(**lay))
         return list(dict.fromkeys(out))  # a pinned budget maps every micro-batch to the same layout
 
     def _forward_layouts(self, u: Unit, m: ModelSpec, d: int) -> list[Layout]:
-        out: list[Layout] = []
+        out: list[dict] = []  # the fields each layout sets; _budgeted makes them Layouts
         mbs = (self.workload.forward_micro_batch,) if self.workload.forward_micro_batch else MICRO_BATCHES
         gpu = self.hw.kind == "gpu"
         long_ctx = self.demand[u.ops[-1]].seq_len >= 8192
@@ -247,8 +290,8 @@ class OptionTable:
             rest = d // tp
             for mb in mbs:
                 for off in (False, True) if gpu else (False,):
-                    out.append(_layout(dp=rest, tp=tp, backend="fsdp2", fsdp=True, offload_params=off, micro_batch=mb))
-                out.append(_layout(dp=rest, tp=tp, backend="fsdp2", fsdp=False, micro_batch=mb))  # replicated weights
+                    out.append(dict(dp=rest, tp=tp, backend="fsdp2", fsdp=True, offload_params=off, micro_batch=mb))
+                out.append(dict(dp=rest, tp=tp, backend="fsdp2", fsdp=False, micro_batch=mb))  # replicated weights
                 for pp in pp_choices(rest, m.num_layers) if gpu else ():
                     for cp in _powers_dividing(rest // pp, 8 if long_ctx else 2):
                         dp = rest // pp // cp
@@ -256,13 +299,13 @@ class OptionTable:
                         for ep in eps:
                             for off in (False, True):  # offload: weights swapped in for the op, host memory between ops
                                 out.append(
-                                    _layout(
+                                    dict(
                                         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, backend="megatron", offload_params=off, micro_batch=mb
                                     )
                                 )
         fpin = self.pins.phase(u.role, "forward")
-        out = self._budgeted(u, out, fpin.micro_tokens, fpin.share_prompts, fpin.pack_sequences)
-        return [lay for lay in out if self.pins.allows(u.role, "forward", lay)]
+        lays = self._budgeted(u, out, fpin.micro_tokens, fpin.share_prompts, fpin.pack_sequences)
+        return [lay for lay in lays if self.pins.allows(u.role, "forward", lay)]
 
     def generation_refusal(self, u: Unit, d: int) -> str:
         """The constraint a pinned generation layout fails on ``d`` devices (what
@@ -270,6 +313,19 @@ class OptionTable:
         m = self.models[u.role]
         pin = self.pins.phase(u.role, "generate")
         backend = pin.backend or self.rollout_backends[0]
+        if pin.gpu_memory_utilization is not None and not any(
+            takes_device_share(b, self.hw.kind) for b in ((pin.backend,) if pin.backend else self.rollout_backends)
+        ):
+            engine = (
+                "vLLM on CPUs is given its KV cache in bytes"
+                if backend == "vllm"
+                else f"the {backend} engine allocates as it goes"
+            )
+            fix = "" if self.hw.kind != "gpu" else f", or pin {u.role}.generate.backend=vllm"
+            return (
+                f"gpu_memory_utilization={pin.gpu_memory_utilization:g} is the share of each GPU a vLLM engine takes, "
+                f"and {engine}: drop the pin{fix}"
+            )
         tp, pp = pin.tp or 1, pin.pp or 1
         if pin.tp is not None and (why := tp_refusal(m, d, tp, self.hw, across_nodes=True)):
             return why
@@ -301,6 +357,8 @@ class OptionTable:
         # each run their own environments (runtime.agent); its model must fit one device
         agent = self.multi_turn(u)
         for backend in (pin.backend,) if pin.backend else self.rollout_backends:
+            if pin.gpu_memory_utilization is not None and not takes_device_share(backend, self.hw.kind):
+                continue  # a pinned share of the device, for an engine that takes none (generation_refusal says so)
             # within a node first; over nodes only for models whose weights need more than a node's tp group
             tps = [1] if agent and pin.tp is None else tp_choices(m, d, self.hw)
             widest = generation_weights_gb(m, _layout(tp=max(tps or [1]), backend=backend))
@@ -311,7 +369,7 @@ class OptionTable:
                     eps = [1, tp] if (m.is_moe and tp > 1) else [1]
                     for ep in eps:
                         lay = _layout(dp=d // tp // pp, tp=tp, pp=pp, ep=ep, backend=backend)
-                        if pp > 1 and generation_weights_gb(m, lay.model_copy(update={"pp": 1})) < 0.5 * self.capacity_gb:
+                        if pp > 1 and generation_weights_gb(m, _with(lay, pp=1)) < 0.5 * self.capacity_gb:
                             continue  # pipeline generation only for models too large for one tp group
                         if generation_weights_gb(m, lay) < self.capacity_gb and self.pins.allows(u.role, "generate", lay):
                             out.append(lay)
@@ -320,74 +378,149 @@ class OptionTable:
     # -------------------------------------------------------------- options
     @cache  # noqa: B019 - the table lives for one planning run
     def options(self, unit: str, d: int) -> UnitOptions:
+        """The unit's Pareto front of layouts that fit ``d`` devices; when none fits, the nearest
+        miss as ``oom`` (what the refusal shows). The nearest *faster* miss beside a front, which
+        only an explanation shows, is :meth:`faster_miss`, found on demand."""
+        scan = self._scan(unit, d)
+        if scan is None:
+            return UnitOptions(front=[])
+        fits = [o for o in scan.priced if o.fits_alone]
+        if fits:
+            return UnitOptions(front=pareto(fits))
+        return UnitOptions(front=[], oom=self._nearest_miss(scan))
+
+    @cache  # noqa: B019 - the table lives for one planning run
+    def faster_miss(self, unit: str, d: int) -> UnitOption | None:
+        """A layout faster than the unit's fastest that fits, which misses the device by the least
+        (its need, then its time); or, when nothing fits, the nearest miss. ``None``: no faster
+        layout exists, or the unit generates."""
+        opts = self.options(unit, d)
+        if not opts.front:
+            return opts.oom
+        scan = self._scan(unit, d)
+        assert scan is not None
+        return self._nearest_faster_miss(scan, opts.front[0].time)
+
+    def _scan(self, unit: str, d: int) -> _Scan | None:
+        """Every layout chain's micro-batches priced in ascending order up to its first miss, except
+        the chains whose resident state alone exceeds the device (``hopeless``: they never fit, and
+        only a nearest miss can be among them)."""
         u = self.units[unit]
         if u.generates:
-            return UnitOptions(front=[])
+            return None
         m = self.models[u.role]
         logits = u.kind in ("policy", "reference")
         layouts = self._train_layouts(u, m, d) if u.trainable else self._forward_layouts(u, m, d)
-        if not (self.workload.train_micro_batch if u.trainable else self.workload.forward_micro_batch):
-            layouts = [lay for lay in layouts if self._micro_batch_useful(u, lay)]
-        price = self._trained if u.trainable else self._frozen
+        raw = self._trained if u.trainable else self._frozen
+
+        def price(lay: Layout) -> UnitOption:
+            return raw(u, m, lay, d, logits)
 
         # Device memory grows with the micro-batch and nothing else in a layout changes with it, so
         # once a layout misses the device at micro-batch m it misses at every larger one: price the
         # micro-batches in ascending order and stop a layout at its first miss.
         chains: dict[tuple, list[Layout]] = {}
+        rest = [k for k in _DEFAULTS if k not in MICRO_FIELDS]
         for lay in sorted(layouts, key=lambda lay: lay.micro_batch):
-            chains.setdefault(tuple(v for k, v in lay.__dict__.items() if k not in MICRO_FIELDS), []).append(lay)
-        priced: list[UnitOption] = []
-        misses: list[tuple[list[Layout], int, UnitOption]] = []  # (chain, index of its first miss, its price)
+            f = lay.__dict__
+            chains.setdefault(tuple([f[k] for k in rest]), []).append(lay)
+        scan = _Scan(price)
+        # At cluster scale most chains hold a resident state larger than the device (a 70B role's
+        # replicated or unsharded states): pricing them took most of the search, for nothing but
+        # the explanation's nearest miss.
         for chain in chains.values():
+            floor = self._resident_floor(u, m, chain[0])
+            if floor > self.capacity_gb:
+                scan.hopeless.append((floor, chain))
+                continue
             for i, lay in enumerate(chain):
-                o = price(u, m, lay, d, logits)
-                priced.append(o)
+                o = price(lay)
+                scan.priced.append(o)
                 if o.need_gb > self.capacity_gb:
-                    misses.append((chain, i, o))
+                    scan.misses.append((chain, i, o))
                     break
-        fits = [o for o in priced if o.fits_alone]
-        front = pareto(fits)
-        over = [o for o in priced if not o.fits_alone]
-        oom = None
-        if over and not fits:
-            # Nothing fits: the nearest miss shows the shortfall; among equally near ones, the smallest
-            # device need, then the fastest.
-            # A larger micro-batch can need exactly as much (the pipeline holds as many sequences
-            # in flight), so each chain is followed while its need does not grow.
-            for chain, i, first in misses:
-                for lay in chain[i + 1 :]:
-                    o = price(u, m, lay, d, logits)
-                    if o.need_gb > first.need_gb:
-                        break
-                    over.append(o)
-            oom = min(over, key=lambda o: (self.shortfall(o), o.need_gb, o.time))
-        elif over:
-            # The nearest miss among the layouts that would have been faster. A chain's misses only
-            # grow with the micro-batch, so its candidates are the first miss faster than the front
-            # and the ones after it that need no more.
-            best = front[0].time
-            for chain, i, first in misses:
-                found = first if first.time < best else None
-                for lay in chain[i + 1 :]:
-                    o = price(u, m, lay, d, logits)
-                    if found is not None and o.need_gb > found.need_gb:
-                        break
-                    over.append(o)
-                    if found is None and o.time < best:
-                        found = o
-            faster = [o for o in over if o.time < best]
-            if faster:
-                oom = min(faster, key=lambda o: (o.need_gb, o.time))
-        return UnitOptions(front=front, oom=oom)
+        scan.hopeless.sort(key=lambda h: h[0])
+        return scan
 
-    def _micro_batch_useful(self, u: Unit, lay: Layout) -> bool:
-        """False when half this micro-batch already holds every sequence a replica has (same time, more memory)."""
-        if lay.micro_batch == 1:
+    def _nearest_miss(self, scan: _Scan) -> UnitOption | None:
+        """Nothing fits: the nearest miss shows the shortfall; among equally near ones, the smallest
+        device need, then the fastest. A larger micro-batch can need exactly as much (the pipeline
+        holds as many sequences in flight), so each chain is followed while its need does not grow.
+        A chain's need, and so its shortfall, never shrinks along it, and a hopeless chain's is at
+        least its state's excess: chains are taken nearest first and stop beyond the nearest found."""
+        over = [o for o in scan.priced if not o.fits_alone]
+
+        def follow(chain: list[Layout], i: int, first: UnitOption) -> None:
+            for lay in chain[i + 1 :]:
+                o = scan.price(lay)
+                if o.need_gb > first.need_gb:
+                    break
+                over.append(o)
+
+        for chain, i, first in sorted(scan.misses, key=lambda x: self.shortfall(x[2])):
+            if self.shortfall(first) > min(self.shortfall(o) for o in over):
+                break
+            follow(chain, i, first)
+        for floor, chain in scan.hopeless:
+            if over and floor - self.capacity_gb > min(self.shortfall(o) for o in over):
+                break
+            first = scan.price(chain[0])
+            over.append(first)
+            follow(chain, 0, first)
+        return min(over, key=lambda o: (self.shortfall(o), o.need_gb, o.time)) if over else None
+
+    def _nearest_faster_miss(self, scan: _Scan, best: float) -> UnitOption | None:
+        """The nearest miss among the layouts faster than ``best``. A chain's misses only grow with
+        the micro-batch, so its candidates are the first miss faster than ``best`` and the ones after
+        it that need no more; chains are taken nearest first, and stop once one starts beyond the
+        nearest faster miss found."""
+        over = [o for o in scan.priced if not o.fits_alone]
+        nearest_gb = min((o.need_gb for o in over if o.time < best), default=math.inf)
+
+        def nearest(chain: list[Layout], i: int, first: UnitOption) -> None:
+            nonlocal nearest_gb
+            found = first if first.time < best else None
+            for lay in chain[i + 1 :]:
+                o = scan.price(lay)
+                if found is not None and o.need_gb > found.need_gb:
+                    break
+                over.append(o)
+                if o.time < best:
+                    nearest_gb = min(nearest_gb, o.need_gb)
+                    found = found or o
+
+        for chain, i, first in sorted(scan.misses, key=lambda x: x[2].need_gb):
+            if first.need_gb > nearest_gb:
+                break
+            nearest(chain, i, first)
+        for floor, chain in scan.hopeless:
+            if floor > nearest_gb:
+                break
+            first = scan.price(chain[0])
+            over.append(first)
+            if first.time < best:
+                nearest_gb = min(nearest_gb, first.need_gb)
+            nearest(chain, 0, first)
+        faster = [o for o in over if o.time < best]
+        return min(faster, key=lambda o: (o.need_gb, o.time)) if faster else None
+
+    def _resident_floor(self, u: Unit, m: ModelSpec, lay: Layout) -> float:
+        """GB per device that every micro-batch of ``lay`` keeps resident: what its priced option's
+        ``resident_gb`` is, without pricing it (the training state, or a frozen role's weights)."""
+        if u.trainable:
+            return sum(train_state_gb(m, lay))
+        return 0.0 if lay.offload_params else m.bytes_per_param * params_per_device(m, lay).total / GB
+
+    def micro_batch_useful(self, u: Unit, dp: int, micro_batch: int) -> bool:
+        """False when half this micro-batch already holds every sequence a replica of ``dp`` has
+        (same time, more memory)."""
+        if micro_batch == 1:
             return True
+        replica = _layout(dp=dp)
         most = max(
-            replica_sequences(self.demand[op], lay, train=kind == "update") for op, kind in zip(u.ops, u.kinds, strict=True)
+            replica_sequences(self.demand[op], replica, train=kind == "update") for op, kind in zip(u.ops, u.kinds, strict=True)
         )
-        return lay.micro_batch // 2 < most
+        return micro_batch // 2 < most
 
     def _trained(self, u: Unit, m: ModelSpec, lay: Layout, d: int, logits: bool) -> UnitOption:
         costs: dict[str, PhaseCost] = {}
@@ -440,5 +573,5 @@ def _sharing(lay: Layout, costs: dict[str, PhaseCost], pin: PhasePin) -> Layout:
     padding (the runtime packs only those that have), and responses that end before the limit
     leave padding whether or not the workload says how long they are."""
     if lay.share_prompts and not pin.share_prompts and not any(c.detail.get("shared_prompts", 0.0) > 0 for c in costs.values()):
-        return lay.model_copy(update={"share_prompts": False})
+        return _with(lay, share_prompts=False)
     return lay

@@ -19,6 +19,7 @@ with ``--plan saved.json`` reproduces it.
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -57,10 +58,15 @@ class PhasePin(BaseModel):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
 
     def layout_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if v is not None and k not in NOT_LAYOUT}
+        return dict(self._pinned_fields)
+
+    @cached_property
+    def _pinned_fields(self) -> tuple[tuple[str, Any], ...]:
+        # the planner asks hundreds of thousands of times per run; a pin is immutable
+        return tuple((k, v) for k, v in self.model_dump().items() if v is not None and k not in NOT_LAYOUT)
 
     def allows(self, lay: Layout) -> bool:
-        return all(getattr(lay, k) == v for k, v in self.layout_fields().items())
+        return all(getattr(lay, k) == v for k, v in self._pinned_fields)
 
     def merged(self, other: PhasePin) -> PhasePin:
         a, b = self.model_dump(), other.model_dump()
@@ -71,6 +77,9 @@ class PhasePin(BaseModel):
                 raise SpecError(f"conflicting pins for {k}: {a[k]} and {v}")
             a[k] = v
         return PhasePin(**a)
+
+
+_UNPINNED = PhasePin()  # a phase nothing pins (the planner asks for it hundreds of thousands of times)
 
 
 class Pins(BaseModel):
@@ -108,7 +117,7 @@ class Pins(BaseModel):
         return self
 
     def phase(self, role: str, phase: str) -> PhasePin:
-        return self.roles.get(role, {}).get(phase, PhasePin())
+        return self.roles.get(role, {}).get(phase, _UNPINNED)
 
     def within_limits(self, lay: Layout) -> bool:
         if self.backends is not None and lay.backend not in self.backends:

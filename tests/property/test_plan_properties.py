@@ -210,8 +210,9 @@ def test_published_runs_are_feasible(flow, model, cluster):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(flows, models(), clusters, workloads, st.data())
 def test_option_pruning_matches_pricing_every_layout(flow, model, cluster, workload, data):
-    """The option table skips micro-batches it can prove useless; its Pareto front and its
-    "the faster X needs N GB" miss must equal those of pricing every layout."""
+    """The option table skips micro-batches it can prove useless and chains whose state alone
+    misses the device; its Pareto front and its "the faster X needs N GB" miss (or, when nothing
+    fits, the nearest miss) must equal those of pricing every layout."""
     g = graph(flow)
     roles = {r: model for r in g.roles if g.roles[r].kind not in ("reward", "environment")}
     units = [u for u in units_of(g) if not u.generates and u.role in roles]
@@ -234,7 +235,11 @@ def test_option_pruning_matches_pricing_every_layout(flow, model, cluster, workl
     for chain in by_rest.values():
         needs = [need for _, need in sorted(chain)]
         assert needs == sorted(needs)
-    useful = [o for o in priced if table._micro_batch_useful(u, next(iter(o.layouts.values())))]
+    useful = [
+        o
+        for o in priced
+        if table.micro_batch_useful(u, next(iter(o.layouts.values())).dp, next(iter(o.layouts.values())).micro_batch)
+    ]
     fits = [o for o in useful if o.fits_alone]
     assert [o.layouts for o in got.front] == [o.layouts for o in pareto(fits)]
     over = [o for o in useful if not o.fits_alone]
@@ -243,7 +248,10 @@ def test_option_pruning_matches_pricing_every_layout(flow, model, cluster, workl
         want = min(faster, key=lambda o: (o.need_gb, o.time)) if faster else None
     else:
         want = min(over, key=lambda o: (table.shortfall(o), o.need_gb, o.time)) if over else None
-    assert (got.oom and (got.oom.need_gb, got.oom.time)) == (want and (want.need_gb, want.time))
+    miss = table.faster_miss(u.name, d)
+    assert (miss and (miss.need_gb, miss.time)) == (want and (want.need_gb, want.time))
+    if not fits:
+        assert got.oom is miss
 
 
 def test_a_micro_batch_never_holds_more_sequences_than_its_replica():

@@ -173,6 +173,23 @@ def test_a_pinned_gpu_memory_utilization_bounds_the_engine_and_its_cache():
             workload=w,
             pins=parse_pins([*together, *resident, "actor.generate.gpu_memory_utilization=0.95"]).merged(stays),
         )
+    # an engine that takes no share of the device: refused with the reason, not shown as "(pinned)" and ignored
+    with pytest.raises(
+        InfeasibleError, match=r"the hf engine allocates as it goes: drop the pin, or pin actor.generate.backend=vllm"
+    ):
+        plan_of(
+            "grpo",
+            "qwen2.5-7b",
+            "1x8xH100",
+            pins=parse_pins(["actor.generate.backend=hf", f"actor.generate.gpu_memory_utilization={util}"]),
+        )
+    with pytest.raises(InfeasibleError, match=r"vLLM on CPUs is given its KV cache in bytes: drop the pin"):
+        plan_of(
+            "grpo",
+            "flowc-tiny",
+            "1x2xcpu",
+            pins=parse_pins(["actor.generate.backend=vllm", "actor.generate.gpu_memory_utilization=0.5"]),
+        )
     with pytest.raises(SpecError, match="only a generation engine has one"):
         parse_pin("actor.train.gpu_memory_utilization=0.5")
     with pytest.raises(SpecError, match="less than or equal to 1"):
