@@ -97,3 +97,33 @@ def test_generation_costs_are_priced_once_per_free_memory(monkeypatch):
     pt = PoolTable(OptionTable(*_args()))
     pt.choice(("actor.gen", "actor.train", "critic", "ref", "rm"), 128)
     assert calls and len(calls) == len(set(calls))
+
+
+def test_alignment_is_answered_per_shape_and_equals_the_per_rank_search():
+    """``aligned`` (asked for every training layout the search prices) is answered once per pair of
+    shapes, with each generation shard's boxes built once; it must say what looking up every
+    co-located rank's generation shard says, aligned or not."""
+    from flowc.passes.reshard import aligned, colocated_gen_rank
+
+    def per_rank(train: Layout, gen: Layout, parts: tuple[str, ...]) -> bool:
+        try:
+            for r in range(train.world):
+                colocated_gen_rank(train, gen, r, parts)
+        except ValueError:
+            return False
+        return True
+
+    parts = ("dense", "experts")
+    seen = set()
+    for tp, pp, ep, dp in [(1, 1, 8, 8), (2, 1, 4, 4), (2, 2, 8, 4), (4, 1, 2, 2), (1, 2, 4, 4), (1, 1, 1, 8)]:
+        train = Layout(dp=dp, tp=tp, pp=pp, ep=ep, backend="megatron", micro_batch=4, activation_checkpointing=True)
+        for gtp, gep in [(1, 1), (2, 2), (4, 1), (4, 4), (8, 8), (2, 1)]:
+            if train.world % gtp:
+                continue
+            gen = Layout(dp=train.world // gtp, tp=gtp, ep=gep, backend="vllm")
+            want = per_rank(train, gen, parts)
+            seen.add(want)
+            assert aligned(train, gen, parts) == want
+            # a micro-batch or recomputation changes no shard: the same answer
+            assert aligned(train.model_copy(update={"micro_batch": 64, "activation_checkpointing": False}), gen, parts) == want
+    assert seen == {True, False}
