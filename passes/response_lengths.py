@@ -106,11 +106,33 @@ def _held_mean(d: LengthDist) -> float:
     return sum(x * x for x in xs) / (2.0 * sum(xs))
 
 
+def _to_mean(q: tuple[float, ...], mean: float) -> tuple[float, ...]:
+    """Percentiles ``q`` (min, p50, p90, p99, max) whose distribution has the mean ``mean``: the
+    interior ones scaled about the minimum (and kept within the maximum) until it does, as close
+    as they can get. A workload that gives both (``lengths_from=RUN_DIR`` writes a run's measured
+    mean and the medians of its steps' percentiles, which need not agree) is then priced at one
+    mean in generation and training alike; without a separate mean, ``q`` is returned as it is."""
+    lo, hi = q[0], q[-1]
+    if abs(percentiles_mean(q) - mean) <= 1e-9 * max(hi, 1.0) or hi <= lo:
+        return q
+
+    def scaled(f: float) -> tuple[float, ...]:
+        return (lo, *(min(lo + (x - lo) * f, hi) for x in q[1:-1]), hi)
+
+    a, b = 0.0, 1.0
+    while percentiles_mean(scaled(b)) < mean and b < 1e9:
+        a, b = b, b * 2.0
+    for _ in range(60):  # the mean only grows with the factor
+        mid = 0.5 * (a + b)
+        a, b = (mid, b) if percentiles_mean(scaled(mid)) < mean else (a, mid)
+    return scaled(0.5 * (a + b))
+
+
 @lru_cache(maxsize=4096)
 def _dist(limit: float, mean: float, percentiles: tuple[float, ...] | None) -> LengthDist:
     if percentiles:
-        xs = (min(max(float(x), 1.0), limit) for x in percentiles)
-        return LengthDist(limit, knots=tuple(zip(PERCENTILE_SHARES, xs, strict=True)))
+        xs = tuple(min(max(float(x), 1.0), limit) for x in percentiles)
+        return LengthDist(limit, knots=tuple(zip(PERCENTILE_SHARES, _to_mean(xs, mean), strict=True)))
     mean = min(max(mean, 1.0), limit)
     if mean >= limit * (1.0 - 1e-6):
         return LengthDist(limit)

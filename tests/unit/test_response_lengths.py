@@ -40,7 +40,7 @@ def test_expected_longest_against_sampling():
 
 
 def test_measured_percentiles_are_the_quantile_function():
-    d = LengthDist.of(512, 200, (10, 150, 400, 500, 512))
+    d = LengthDist.of(512, 195.56, (10, 150, 400, 500, 512))
     assert d.quantile(0) == 10 and d.quantile(0.5) == 150 and d.quantile(0.9) == 400 and d.quantile(1) == 512
     assert d.quantile(0.7) == pytest.approx(275)
     # the knots' mean by hand: ½·(10+150)/2 + 0.4·(150+400)/2 + 0.09·(400+500)/2 + 0.01·(500+512)/2
@@ -58,8 +58,27 @@ def test_the_workload_takes_percentiles_as_text_and_checks_them():
         WorkloadSpec.parse("response_len=512,mean_response_len=501,response_percentiles=10/150/400/500/500")
     # without a mean, training is priced at the distribution's mean (the mean generation sees), not the limit
     alone = WorkloadSpec.parse("response_len=512,response_percentiles=10/150/400/500/512")
-    assert alone.avg_response_len == pytest.approx(LengthDist.of(512, 512, alone.response_percentiles).mean)
+    assert alone.avg_response_len == pytest.approx(LengthDist.of(512, alone.avg_response_len, alone.response_percentiles).mean)
     assert alone.avg_response_len == pytest.approx(195.56)
+
+
+def test_a_given_mean_beside_percentiles_is_the_mean_generation_is_priced_at():
+    """lengths_from writes a run's measured mean and the medians of its percentiles, which need not
+    agree: the interior percentiles are scaled about the minimum until the distribution's mean is the
+    given one, so generation and training are priced at one mean."""
+    q = (10, 150, 400, 500, 512)  # their own mean: 195.56
+    for mean in (120.0, 195.56, 230.0):
+        d = LengthDist.of(512, mean, q)
+        xs = [x for _, x in d.knots]
+        assert d.mean == pytest.approx(mean, rel=1e-6)
+        assert xs[0] == 10 and xs[-1] == 512 and xs == sorted(xs)
+    assert [x for _, x in LengthDist.of(512, 195.56, q).knots] == pytest.approx(q, abs=0.01)  # agreeing: unchanged
+    # a mean no such scaling reaches (interior all at the maximum): as close as it gets
+    far = LengthDist.of(512, 500, q)
+    assert [x for _, x in far.knots][1:] == pytest.approx([512] * 4) and far.mean < 500
+    # the workload prices training at its mean: the same one
+    w = WorkloadSpec.parse("response_len=512,mean_response_len=230,response_percentiles=10/150/400/500/512")
+    assert LengthDist.of(512, w.avg_response_len, w.response_percentiles).mean == pytest.approx(w.avg_response_len)
 
 
 def test_everything_fits_the_batch_shrinks_as_responses_end():
