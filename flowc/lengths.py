@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 from flowc.errors import SpecError
 from flowc.ir.workload import WorkloadSpec
@@ -26,9 +27,17 @@ KEY = "lengths_from"
 SHAPE = ("min", "p50", "p90", "p99", "max")
 
 
-def measured(run_dir: Path) -> tuple[float, tuple[float, ...] | None, int, str]:
-    """(mean response length, its min/p50/p90/p99/max when the run recorded them, the response
-    limit they were measured under, a note saying so)."""
+class Measured(NamedTuple):
+    """What a run measured of its response lengths."""
+
+    mean: float  # the median of its last steps' means
+    percentiles: tuple[float, ...] | None  # min/p50/p90/p99/max (each a median over those steps), when recorded
+    limit: int  # the response limit they were sampled under
+    note: str  # what the planner says about where they came from
+
+
+def measured(run_dir: Path) -> Measured:
+    """The response lengths ``run_dir`` measured (:class:`Measured`)."""
     metrics, plan = run_dir / "metrics.jsonl", run_dir / "plan.json"
     if not metrics.is_file() or not plan.is_file():
         raise SpecError(
@@ -61,7 +70,7 @@ def measured(run_dir: Path) -> tuple[float, tuple[float, ...] | None, int, str]:
         p90 = [float(r["response_length/p90"]) for r in last if "response_length/p90" in r]
         shape = f", p90 {statistics.median(p90):.0f}" if p90 else ""
     note = f"mean_response_len={mean:.1f}: measured by {run_dir} (median of {steps}{shape}; limit {limit})"
-    return mean, pct, limit, note
+    return Measured(mean, pct, limit, note)
 
 
 def _percentiles(rows: list[dict], limit: float) -> tuple[float, ...] | None:
@@ -90,19 +99,19 @@ def expand(text: str | None) -> tuple[str | None, list[str]]:
                 f"--workload gives both {own} and {KEY}",
                 fix="give one: the lengths, or the run that measured them",
             )
-    mean, pct, limit, note = measured(Path(given[KEY]))
+    got = measured(Path(given[KEY]))
     want = int(given.get("response_len", WorkloadSpec.model_fields["response_len"].default))
-    if want != limit:
+    if want != got.limit:
         raise SpecError(
-            f"{KEY}={given[KEY]}: that run sampled under response_len={limit}, this workload's is {want}; "
+            f"{KEY}={given[KEY]}: that run sampled under response_len={got.limit}, this workload's is {want}; "
             "its mean says nothing about another limit",
-            fix=f"plan with response_len={limit}, or give mean_response_len=… yourself",
+            fix=f"plan with response_len={got.limit}, or give mean_response_len=… yourself",
         )
     kept = [w for w in words if not w.startswith(f"{KEY}=")]
-    kept.append(f"mean_response_len={mean:.6g}")
-    if pct is not None:
-        kept.append("response_percentiles=" + "/".join(f"{x:g}" for x in pct))
-    return ",".join(kept), [note]
+    kept.append(f"mean_response_len={got.mean:.6g}")
+    if got.percentiles is not None:
+        kept.append("response_percentiles=" + "/".join(f"{x:g}" for x in got.percentiles))
+    return ",".join(kept), [got.note]
 
 
-__all__ = ["LAST_STEPS", "SHAPE", "expand", "measured"]
+__all__ = ["LAST_STEPS", "SHAPE", "Measured", "expand", "measured"]
