@@ -198,6 +198,11 @@ class PhasePlan(BaseModel):
     # demand, or pinned (ROLE.generate.gpu_memory_utilization); 0: not a generation phase
     gpu_memory_utilization: float = Field(0.0, ge=0, le=1)
     gpu_memory_utilization_pinned: bool = False
+    # generation with a continuously batching engine (vLLM): the most sequences it decodes at once,
+    # as the plan priced it (the hardware profile's rollout.vllm.max_seqs); the runtime passes it as
+    # vLLM's max_num_seqs, so the engine batches as priced whatever its version's default (0: not
+    # such a phase, or the profile names none: the engine's default)
+    max_num_seqs: int = Field(0, ge=0)
     # generation with an environment (generate(env=…)): environment processes per replica, sized so
     # their work fits in the generation's time (0: no environment, or no environment latency in the
     # workload to size them by: the run config's env_workers)

@@ -19,6 +19,7 @@ from flowc.errors import PlanError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP, Op
 from flowc.ir.plan import (
+    STATIC_BATCH_BACKENDS,
     Layout,
     Memory,
     PhasePlan,
@@ -28,7 +29,7 @@ from flowc.ir.plan import (
     RolePlan,
     ScheduleEntry,
 )
-from flowc.passes.costs import MemoryGB, PhaseCost
+from flowc.passes.costs import Hw, MemoryGB, PhaseCost
 from flowc.passes.devices import assign_devices, node_count, ranges
 from flowc.passes.flops import forward_flops, useful_train_flops
 from flowc.passes.generation_costs import takes_device_share
@@ -157,7 +158,7 @@ def phases(ctx: PlanContext, pl: Placement) -> tuple[dict[str, dict[str, PhasePl
                 for phase, p in _model_phases(unit, choice, name, devs, cap).items():
                     roles.setdefault(unit.role, {})[phase] = p
             if u in choice.gens:
-                roles.setdefault(unit.role, {})["generate"] = _generate_phase(choice, u, name, devs, cap, ctx.options.hw.kind)
+                roles.setdefault(unit.role, {})["generate"] = _generate_phase(choice, u, name, devs, cap, ctx.options.hw)
         pools.append(
             PoolPlan(
                 name=name,
@@ -191,7 +192,7 @@ def _model_phases(unit: Unit, choice: PoolChoice, pool: str, devs: str, cap: flo
     return out
 
 
-def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float, kind: str) -> PhasePlan:
+def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float, hw: Hw) -> PhasePlan:
     gc = choice.gens[u]
     items = list(gc.op_costs.items())
     mem = max((c.memory for _, c in items), key=lambda m: m.total)
@@ -205,7 +206,7 @@ def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float
     ph = _phase(pool, choice.devices, devs, gc.layout, plan_mem, cap, items, max(c.waves for _, c in items), 0.0)
     pinned = gc.pinned_utilization
     own = plan_mem.total - plan_mem.other_roles  # what the engine itself holds: its weights, cache and buffers
-    paged = takes_device_share(gc.layout.backend, kind)
+    paged = takes_device_share(gc.layout.backend, hw.kind)
     # rounded up: the engine is never given less than the plan counts for it
     planned = min(MAX_UTILIZATION, max(MIN_UTILIZATION, math.ceil(own / cap * 1000) / 1000)) if cap > 0 and paged else 0.0
     util = pinned if pinned is not None else planned
@@ -214,6 +215,8 @@ def _generate_phase(choice: PoolChoice, u: str, pool: str, devs: str, cap: float
             "sleeps_colocated": gc.swapped,
             "gpu_memory_utilization": util,
             "gpu_memory_utilization_pinned": pinned is not None,
+            # the batch the cost model played (generation_costs: at most the profile's max_seqs running)
+            "max_num_seqs": 0 if gc.layout.backend in STATIC_BATCH_BACKENDS else hw.rollout_cost(gc.layout.backend).max_seqs or 0,
             "env_workers": max((int(c.detail.get("env_workers", 0)) for _, c in items), default=0),
         }
     )

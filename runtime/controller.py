@@ -187,6 +187,7 @@ class Controller(HeldOut):
             colocated=g.hosts(EngineKind.TRAIN),
             memory_fraction=e.memory_fraction,
             kv_cache_bytes=round(e.kv_cache_gb * 1e9),
+            max_num_seqs=e.max_num_seqs,
             timeout_s=self.p.target.timeout_s,
         )
 

@@ -66,6 +66,7 @@ class EngineSpec:
     memory_fraction: float = 0.0  # of each device, what the plan gives a rollout engine (0: not planned)
     lora: LoraConfig | None = None  # a training engine's LoRA adapters, as the plan priced them
     kv_cache_gb: float = 0.0  # per device, the KV cache the plan gives a rollout engine (0: not planned)
+    max_num_seqs: int = 0  # the most sequences a continuously batching rollout engine runs at once, as priced (0: its default)
 
     @property
     def role(self) -> str:
@@ -227,7 +228,8 @@ def lower(plan: Plan, *, here: bool = True) -> Program:
                 continue  # a trained role's forward ops run on its training engine, in its training layout
             lora = rp.lora if key.kind == EngineKind.TRAIN else None
             kv = pp.memory.kv_cache if phase == "generate" else 0.0
-            spec = EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model, _memory_fraction(pp, phase), lora, kv)
+            seqs = pp.max_num_seqs if phase == "generate" else 0
+            spec = EngineSpec(key, RoleKind(rp.kind), pp.layout, rp.model, _memory_fraction(pp, phase), lora, kv, seqs)
             engines[pp.pool].append(spec)
     groups = tuple(
         GroupSpec(

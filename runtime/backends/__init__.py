@@ -58,6 +58,8 @@ class EngineInit:
             (its weights, KV cache and buffers; 0: not planned, the backend's default).
         kv_cache_bytes: the KV cache the plan gives a rollout engine on each device (0: not
             planned); vLLM's CPU engine allocates this much, not a fixed size.
+        max_num_seqs: the most sequences a continuously batching engine decodes at once, as the
+            plan priced it (0: the engine's default).
         timeout_s: the longest a remote fetch may take.
     """
 
@@ -75,6 +77,7 @@ class EngineInit:
     colocated: bool = False
     memory_fraction: float = 0.0
     kv_cache_bytes: int = 0
+    max_num_seqs: int = 0
     timeout_s: float = 600.0
 
     @property

@@ -223,6 +223,8 @@ class VllmRollout:
             os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(world), LOCAL_RANK="0")
         if not cuda:
             kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(init)
+        if init.max_num_seqs:  # the batch the plan priced, whatever this vLLM version's default
+            kw["max_num_seqs"] = init.max_num_seqs
         if cuda:
             # the plan's share of the device (its weights, KV cache, buffers); co-located roles hold the rest
             kw["gpu_memory_utilization"] = init.memory_fraction or (0.5 if init.colocated else 0.9)
@@ -254,10 +256,15 @@ class VllmRollout:
 
     def describe(self) -> dict[str, Any]:
         """The KV cache vLLM allocated: its blocks and tokens (one block is vLLM's null block),
-        and on CPUs its bytes (the plan's)."""
-        cache = self.llm.llm_engine.vllm_config.cache_config
+        and on CPUs its bytes (the plan's); the most sequences it runs at once."""
+        config = self.llm.llm_engine.vllm_config
+        cache = config.cache_config
         blocks = int(cache.num_gpu_blocks or 0)
-        out = {"kv_cache_blocks": blocks, "kv_cache_tokens": blocks * int(cache.block_size)}
+        out = {
+            "kv_cache_blocks": blocks,
+            "kv_cache_tokens": blocks * int(cache.block_size),
+            "max_num_seqs": int(config.scheduler_config.max_num_seqs),
+        }
         if cache.kv_cache_memory_bytes:  # set on CPUs (the plan's); GPUs size it from gpu_memory_utilization
             out["kv_cache_bytes"] = int(cache.kv_cache_memory_bytes)
         return out

@@ -185,6 +185,9 @@ def test_grpo_with_vllm_matches_the_trainer_after_training_steps(ray_cluster, tm
         built = [e for w in ctl.describe().values() for x in w for k, e in x["engines"].items() if "rollout" in k]
         assert built and all(e["kv_cache_bytes"] == cpu_kv_cache_bytes(init) < 2**27 for e in built)  # was 1 GiB
         assert all(e["kv_cache_tokens"] - 128 >= init.max_model_len for e in built)  # beside vLLM's null block
+        # the engine batches as the plan priced it: the profile's max_seqs, passed as max_num_seqs
+        assert init.max_num_seqs == prep.plan.phase("actor", "generate").max_num_seqs == 256
+        assert all(e["max_num_seqs"] == 256 for e in built)
     finally:
         ctl.shutdown()
 

@@ -18,6 +18,7 @@ from flowc.ir.run_config import RunConfig
 from flowc.ir.sampling import SamplingParams
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
+from flowc.passes.costs import Hw
 from flowc.passes.pins import Pins, parse_pins, pins_from_plan
 from flowc.passes.pipeline import make_plan
 from flowc.planning import run_target, runtime_pins
@@ -188,6 +189,11 @@ def test_a_rollout_engine_gets_the_plans_share_of_the_device():
     assert rollout.memory_fraction == ge.gpu_memory_utilization  # the plan's, as the runtime passes it to vLLM
     assert rollout.memory_fraction == pytest.approx(min(0.95, max(0.05, own / ge.capacity_gb)), abs=1e-3)
     assert all(e.memory_fraction == 0.0 for g in prog.groups for e in g.engines if e.key.kind != "rollout")
+    # and the batch the plan priced: vLLM's max_num_seqs from the profile (the HF loop's padded waves have none)
+    assert ge.max_num_seqs == rollout.max_num_seqs == Hw.of(ClusterSpec.parse("1x8xH100")).rollout_cost("vllm").max_seqs == 1024
+    assert all(e.max_num_seqs == 0 for g in prog.groups for e in g.engines if e.key.kind != "rollout")
+    _, hf, _ = planned("grpo", "1x8xH100", pins=parse_pins(["actor.generate.backend=hf"]))
+    assert hf.phase("actor", "generate").max_num_seqs == 0
     # pinned, the engine gets the pinned share, and a re-plan from the saved plan keeps the pin
     _, pinned, _ = planned("grpo", "1x8xH100", pins=parse_pins(["actor.generate.gpu_memory_utilization=0.4"]))
     gp = pinned.phase("actor", "generate")
