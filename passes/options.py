@@ -321,7 +321,7 @@ class OptionTable:
                 if backend == "vllm"
                 else f"the {backend} engine allocates as it goes"
             )
-            fix = "" if self.hw.kind != "gpu" else f", or pin {u.role}.generate.backend=vllm"
+            fix = f", or pin {u.role}.generate.backend=vllm" if self.hw.kind == "gpu" and "vllm" in self.rollout_backends else ""
             return (
                 f"gpu_memory_utilization={pin.gpu_memory_utilization:g} is the share of each GPU a vLLM engine takes, "
                 f"and {engine}: drop the pin{fix}"

@@ -68,6 +68,12 @@ class PhasePin(BaseModel):
     def allows(self, lay: Layout) -> bool:
         return all(getattr(lay, k) == v for k, v in self._pinned_fields)
 
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> PhasePin:
+        # a copy with other fields must not keep this pin's cached fields
+        out = super().model_copy(update=update, deep=deep)
+        out.__dict__.pop("_pinned_fields", None)
+        return out
+
     def merged(self, other: PhasePin) -> PhasePin:
         a, b = self.model_dump(), other.model_dump()
         for k, v in b.items():

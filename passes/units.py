@@ -21,8 +21,9 @@ from flowc.ir.models import ModelSpec
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP
 from flowc.ir.types import project
 from flowc.ir.verify import filter_region
-from flowc.ir.workload import WorkloadSpec
+from flowc.ir.workload import WorkloadSpec, percentiles_mean
 from flowc.passes.flops import Demand
+from flowc.passes.response_lengths import LengthDist
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,12 @@ def demands(g: FlowGraph, w: WorkloadSpec) -> dict[str, Demand]:
             max_tokens = n.kwargs.get("max_tokens")
             if max_tokens is not None and int(max_tokens) < resp:
                 resp = int(max_tokens)
-                mean_r = min(mean_r, float(resp))
-                pct = None if pct is None else tuple(min(x, float(resp)) for x in pct)
+                if pct is None:
+                    mean_r = min(mean_r, float(resp))
+                else:  # the workload's distribution (at its mean), cut at this generate's limit, and that cut's mean
+                    whole = LengthDist.of(w.response_len, mean_r, pct)
+                    pct = tuple(min(x, float(resp)) for _, x in whole.knots)
+                    mean_r = percentiles_mean(pct)
             agent = {}
             if n.kwargs.get("env") is not None:  # a multi-turn generate: its turns, observations and environment
                 most = n.kwargs.get("max_turns")  # the flow's bound; without it the environment class's (unknown here)

@@ -229,7 +229,7 @@ def test_option_pruning_matches_pricing_every_layout(flow, model, cluster, workl
     by_rest: dict[tuple, list] = {}
     for o in priced:
         lay = next(iter(o.layouts.values()))
-        by_rest.setdefault(tuple(v for k, v in lay.__dict__.items() if k != "micro_batch"), []).append(
+        by_rest.setdefault(tuple(v for k, v in lay.__dict__.items() if k not in ("micro_batch", "micro_tokens")), []).append(
             (lay.micro_batch, o.need_gb)
         )
     for chain in by_rest.values():

@@ -127,3 +127,13 @@ def test_alignment_is_answered_per_shape_and_equals_the_per_rank_search():
             # a micro-batch or recomputation changes no shard: the same answer
             assert aligned(train.model_copy(update={"micro_batch": 64, "activation_checkpointing": False}), gen, parts) == want
     assert seen == {True, False}
+
+
+def test_a_copied_pin_does_not_keep_the_cached_fields_of_its_original():
+    from flowc.passes.pins import PhasePin
+
+    a = PhasePin(tp=2)
+    assert a.allows(Layout(tp=2))  # caches its pinned fields
+    b = a.model_copy(update={"tp": 4})
+    assert b.allows(Layout(tp=4)) and not b.allows(Layout(tp=2)) and b.layout_fields() == {"tp": 4}
+    assert a == PhasePin(tp=2) and a.model_dump() == PhasePin(tp=2).model_dump()

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flowc as fc
 from flowc.errors import SpecError
 from flowc.ir.workload import WorkloadSpec
 from flowc.passes.response_lengths import MAX_SIMULATED, LengthDist, continuous_batch
@@ -146,3 +147,31 @@ def test_a_scaled_schedule_keeps_the_long_tail_of_all_its_requests():
     assert scaled.steps == pytest.approx(exact.steps, rel=0.15)
     assert scaled.tail_steps == pytest.approx(exact.tail_steps, rel=0.2)
     assert scaled.steps >= d.expected_max(4096)
+
+
+def test_a_generate_cut_below_the_limit_prices_the_cut_distribution_at_its_own_mean():
+    """``generate(max_tokens=…)`` below the workload's limit: the workload's distribution cut at it,
+    priced at that cut's mean (not the whole distribution's mean pulled down to the cut, which the
+    rescaling to a given mean would have dragged every percentile up to)."""
+    from flowc.ir.workload import percentiles_mean
+    from flowc.passes.units import demands
+
+    @fc.flow
+    def short(prompts: fc.Prompts, actor: fc.Policy, reward: fc.Reward, *, n: int = 2):
+        rollout = actor.generate(prompts, n=n, max_tokens=200)
+        actor.update(rollout, advantages=fc.ops.group_normalize(reward(rollout), group_size=n), loss=fc.losses.ppo_clip(0.2))
+
+    g = short.trace()
+    q = (10.0, 100.0, 400.0, 900.0, 1000.0)
+    for w in (
+        WorkloadSpec(response_len=1000, response_percentiles=q),
+        WorkloadSpec(response_len=1000, mean_response_len=300, response_percentiles=q),
+    ):
+        (gen,) = [d for d in demands(g, w).values() if d.response_len == 200]
+        cut = tuple(min(x, 200.0) for _, x in LengthDist.of(1000, w.avg_response_len, q).knots)
+        assert gen.percentiles == cut and gen.mean_response_len == pytest.approx(percentiles_mean(cut))
+        assert gen.lengths.mean == pytest.approx(gen.mean_response_len)  # no rescaling left to do
+    # the p50 stays the measured 100 (the rescaling to the uncut mean would have pulled it to the cut)
+    w = WorkloadSpec(response_len=1000, response_percentiles=q)
+    (plain,) = [d for d in demands(g, w).values() if d.response_len == 200]
+    assert plain.percentiles == (10.0, 100.0, 200.0, 200.0, 200.0)
