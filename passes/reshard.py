@@ -396,7 +396,8 @@ def aligned(train: Layout, gen: Layout, parts: tuple[str, ...]) -> bool:
     """Every co-located device has a generation shard that nests with its training shard in every
     part (divisible grids guarantee it for the dense part; expert shards must line up too). Asked
     for every training layout the search prices, it is answered once per pair of shapes (micro-batches,
-    recomputation or offload cut nothing: an MoE search asked 3.8k times for 30 distinct pairs)."""
+    recomputation or offload cut nothing: a Qwen3-235B search on 256 GPUs asked 3.8k times for 1.9k
+    distinct pairs), with each generation shard's boxes built once rather than once per rank."""
     if parts == ("dense",) or train.world > 4096:
         return True
     return _aligned(tuple(getattr(train, f) for f in SHAPE_FIELDS), tuple(getattr(gen, f) for f in SHAPE_FIELDS), parts)
