@@ -457,15 +457,18 @@ class OptionTable:
                     break
                 over.append(o)
 
+        # (what a chain follows on has its first miss's need and host state: the same shortfall)
+        nearest = min((self.shortfall(o) for o in over), default=math.inf)
         for chain, i, first in sorted(scan.misses, key=lambda x: self.shortfall(x[2])):
-            if self.shortfall(first) > min(self.shortfall(o) for o in over):
+            if self.shortfall(first) > nearest:
                 break
             follow(chain, i, first)
         for floor, chain in scan.hopeless:
-            if over and floor - self.capacity_gb > min(self.shortfall(o) for o in over):
+            if floor - self.capacity_gb > nearest:
                 break
             first = scan.price(chain[0])
             over.append(first)
+            nearest = min(nearest, self.shortfall(first))
             follow(chain, 0, first)
         return min(over, key=lambda o: (self.shortfall(o), o.need_gb, o.time)) if over else None
 
