@@ -452,7 +452,9 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                     if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                         m.update(ctl.evaluate())
                     log.write(m)
-                    ctl.history.append({k: v for k, v in m.items() if k not in ("measured_s", "predicted_s", "samples")})
+                    ctl.history.append(
+                        {k: v for k, v in m.items() if k not in ("measured_s", "predicted_s", "timeline_s", "samples")}
+                    )
                     if cfg.replan_every and (step + 1) % cfg.replan_every == 0 and step + 1 < cfg.steps:
                         current = maybe_replan(req, p, ctl, current, step + 1, log)
                     bar.update(m)

@@ -57,9 +57,14 @@ class Tracker(Protocol):
 
 
 def scalars_of(m: dict[str, Any]) -> dict[str, float]:
-    """A step's metrics as ``name → number`` (``step`` and the per-op time tables left out; the
-    measured times are ``timing_s/<op>`` already, the predicted ones become ``predicted_s/<op>``)."""
-    out = {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+    """A step's metrics as ``name → number`` (``step``, the step's clock time and the per-op time
+    tables left out; the measured times are ``timing_s/<op>`` already, the predicted ones become
+    ``predicted_s/<op>``)."""
+    out = {
+        k: float(v)
+        for k, v in m.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "started_at")
+    }
     for op, sec in (m.get("predicted_s") or {}).items():
         out[f"predicted_s/{op}"] = float(sec)
     return out

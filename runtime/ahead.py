@@ -1,7 +1,8 @@
 """Which steps' rollouts the controller issues ahead of the trainer (staleness K).
 
 During step ``s`` the controller issues the prompts and generates of steps ``s+1 … s+K`` (within
-the run) before it issues step ``s``'s weight sync. Each worker group runs its calls in the order
+the run) before it issues step ``s``'s weight sync, and waits for that sync only at the end of step
+``s+K−1`` (:func:`syncs_due`), so the trainer never waits for rollouts it does not train on next. Each worker group runs its calls in the order
 issued, so step ``t``'s rollouts are sampled with the weights of the syncs issued before them: at
 step ``t`` that is ``max(t − K, 0)`` syncs, a lag of ``min(t, K)`` versions, and at most ``K``
 steps' rollouts wait issued ahead of the trainer (the buffer's bound).
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from flowc.errors import RuntimeFailure
 
@@ -21,6 +22,30 @@ T = TypeVar("T")
 def issued_ahead(step: int, staleness: int, steps: int) -> range:
     """The steps whose rollouts are issued during ``step`` of a ``steps``-step run, before its sync."""
     return range(step + 1, min(step + staleness, steps - 1) + 1)
+
+
+def syncs_due(step: int, staleness: int, steps: int) -> int:
+    """The last step whose weight sync the controller waits for (and checks) at the end of ``step``.
+
+    The engine runs step ``s``'s sync after the generate of step ``s + K`` (issued before it), so
+    waiting for it at the end of step ``s`` would hold the trainer until the rollouts of ``s + K``
+    exist, though step ``s + 1`` needs only those of ``s + 1``: with K ≥ 2 a slow generate could
+    not be absorbed by the buffer. The wait is therefore deferred to the end of step ``s + K − 1``,
+    just before the trainer needs step ``s + K``'s rollouts, which the engine finishes just before
+    that sync anyway. Lock-step and K = 1 wait at the end of the step itself; the last step waits
+    for every sync (nothing is issued ahead of it)."""
+    return step if step >= steps - 1 else step - max(staleness, 1) + 1
+
+
+@dataclass
+class PendingSync(Generic[T]):
+    """A weight sync issued and not waited for yet (:func:`syncs_due`): its step, what it returns
+    (``refs``) and the trainer's side of its probe, when the trainer returned it apart."""
+
+    step: int
+    sync: T
+    refs: list[Any]
+    trainer_probe: list[float] | None = None
 
 
 @dataclass
@@ -64,4 +89,4 @@ class RolloutBuffer(Generic[T]):
         self.issued_under.pop(step, None)
 
 
-__all__ = ["RolloutBuffer", "issued_ahead"]
+__all__ = ["PendingSync", "RolloutBuffer", "issued_ahead", "syncs_due"]

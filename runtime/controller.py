@@ -31,7 +31,7 @@ from flowc.ir.ops import Op, RoleKind
 from flowc.ir.run_config import RunConfig
 from flowc.ir.targets import resolve
 from flowc.ir.verify import check_staleness, filter_region
-from flowc.runtime.ahead import RolloutBuffer
+from flowc.runtime.ahead import PendingSync, RolloutBuffer, syncs_due
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.batches import (
     INLINE_BYTES,
@@ -142,7 +142,8 @@ class Controller(HeldOut):
         self._probe = probe_rollout(self.tok, self._context() - 1) if self.cfg.sync_check else None
         tol = tolerance(self.p.target.dtype, self.cfg.sync_check_tol)
         self._checks = {st.node: SyncCheck(st.engine.role, tol, self.p.target.dtype) for st in self.p.steps_of(Op.WEIGHT_SYNC)}
-        self._trainer_probe: dict[str, list[float] | None] = {}
+        self._trainer_probe: dict[str, list[float] | None] = {}  # a sync's trainer side, until it joins _pending
+        self._pending: list[PendingSync[Step]] = []  # weight syncs issued, not waited for yet (staleness ≥ 2)
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
@@ -269,6 +270,7 @@ class Controller(HeldOut):
                 it.env[st.node] = self._filter(st, it)
             else:
                 self._exec(st, it)
+        due = self._syncs_due(step, it)
         m = step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
         check_environments(m, step)
         self._check_lag(step, it, m)
@@ -276,11 +278,37 @@ class Controller(HeldOut):
             self._ahead.ran_ahead
         ):  # the rollout buffer at the end of the step: later steps' rollouts issued, not yet trained on (≤ K)
             m["rollout/buffered"] = len(self._ahead.waiting)
-        for st in self.p.steps_of(Op.WEIGHT_SYNC):  # (waited for already: the metrics read every op's results)
-            diff = self._check_sync(st, self._wait(st, it.metas[st.node], "weight sync"), step)
+        for q in due:  # in the order issued (waited for already: the metrics read every op's results)
+            role = q.sync.engine.role
+            diff = self._check_sync(q.sync, self._wait(q.sync, q.refs, "weight sync"), q.step, q.trainer_probe)
             if diff is not None:
-                m[f"{st.engine.role}/sync_probe_diff"] = diff
+                m[f"{role}/sync_probe_diff"] = diff
+            if q.step != step:  # a sync deferred from an earlier step (staleness ≥ 2) is reported here
+                m[f"{role}/sync_step"] = q.step + 1
+            else:
+                m.pop(f"{role}/sync_step", None)
         return m
+
+    def _syncs_due(self, step: int, it: Iteration) -> list[PendingSync[Step]]:
+        """This step's weight syncs join the pending ones; those due at its end (``runtime.ahead.syncs_due``)
+        leave, in the order issued. The step's metrics report the last due sync of each role (its bytes,
+        seconds): ``it.metas`` holds its results in place of this step's own; an earlier one of the same
+        role (two due at once: the run's last step, or a lowered K) adds its seconds to the step's tally."""
+        for st in self.p.steps_of(Op.WEIGHT_SYNC):
+            if st.node in it.metas:
+                self._pending.append(PendingSync(step, st, it.metas.pop(st.node), self._trainer_probe.pop(st.node, None)))
+        last = syncs_due(step, self.p.staleness, self.cfg.steps)
+        due = [q for q in self._pending if q.step <= last]
+        self._pending = [q for q in self._pending if q.step > last]
+        for i, q in enumerate(due):
+            if any(later.sync.node == q.sync.node for later in due[i + 1 :]):
+                got = self._wait(q.sync, q.refs, "weight sync")
+                self._tally.ran(got)
+                sec = max(x.get("seconds", 0.0) for x in got)
+                self._tally.seconds[q.sync.node] = self._tally.seconds.get(q.sync.node, 0.0) + sec
+            else:
+                it.metas[q.sync.node] = q.refs
+        return due
 
     def _check_lag(self, step: int, it: Iteration, m: dict[str, Any]) -> None:
         """How many weight versions behind the trainer each synced rollout engine sampled this step's
@@ -297,14 +325,15 @@ class Controller(HeldOut):
                 m["rollout/staleness"] = lag
         self._ahead.trained(step)
 
-    def _check_sync(self, st: Step, metas: list[dict[str, Any]], step: int) -> float | None:
-        """The sync's probe check (``runtime.sync_check``); None when the run does not check."""
+    def _check_sync(self, st: Step, metas: list[dict[str, Any]], step: int, trainer_probe: list[float] | None) -> float | None:
+        """The sync's probe check (``runtime.sync_check``); None when the run does not check.
+        ``trainer_probe``: the trainer's side, where the trainer returned it apart from ``metas``."""
         if self._probe is None:
             return None
         if metas and all(m.get("aliased") for m in metas):  # the engine runs the trainer's storage itself
             self._checks[st.node].last = None
             return 0.0
-        trainer = self._trainer_probe.pop(st.node, None) or first(metas, "probe_trainer")
+        trainer = trainer_probe or first(metas, "probe_trainer")
         return self._checks[st.node](step, trainer, first(metas, "probe_engine"))
 
     def _rollouts(self, step: int) -> Iteration:
@@ -571,7 +600,10 @@ class Controller(HeldOut):
         for wg, e in self._trained():
             wg.get(wg.call("load", e.key, str(ckpt)), f"loading {e.role}")
         for st in self.p.steps_of(Op.WEIGHT_SYNC):  # the rollout engines get the restored weights (checked)
-            self._check_sync(st, self._wait(st, self._sync(st), "weight sync"), int(state.get("step", 0)) - 1)
+            refs = self._sync(st)
+            self._check_sync(
+                st, self._wait(st, refs, "weight sync"), int(state.get("step", 0)) - 1, self._trainer_probe.pop(st.node, None)
+            )
         self.history = state.get("metrics", [])
         self._load_base = int(state.get("step", 0)) - (1 if self.p.steps_of(Op.WEIGHT_SYNC) else 0)  # one load: the restore
         return state

@@ -122,6 +122,7 @@ def step_metrics(
     g = p.graph
     m: dict[str, Any] = {"step": it.step + 1}
     measured: dict[str, float] = {}
+    timeline: dict[str, list[float]] = {}
     gen_tokens = 0
     tokens_of: dict[str, int] = {}
     lengths_of: dict[str, list[int]] = {}
@@ -132,6 +133,9 @@ def step_metrics(
         got = wait(st, it.metas[st.node], st.op)
         measured[st.node] = max(x.get("seconds", 0.0) for x in got)
         tally.ran(got)
+        starts = [x["start"] for x in got if "start" in x]
+        if starts:  # when the op began (its earliest rank), from the step's start, and how long it ran
+            timeline[st.node] = [min(starts) - tally.t0, measured[st.node]]
         used = [x["device_gb"] for x in got if "device_gb" in x]
         if used:
             m["device_gb"] = max([m.get("device_gb", 0.0), *used])  # GPU memory in use after an op, worst device
@@ -214,6 +218,10 @@ def step_metrics(
     m["gen_tokens"] = gen_tokens
     m["tokens_per_s"] = gen_tokens / wall if wall > 0 else 0.0
     m["measured_s"] = measured
+    # each worker op's [start, seconds], the start from the step's (``started_at``, Unix time): a weight
+    # sync deferred from an earlier step (staleness ≥ 2) may start before the step it is reported in
+    m["timeline_s"] = timeline
+    m["started_at"] = tally.t0
     m["predicted_s"] = {st.node: st.predicted_s for st in p.steps if st.group}
     m.update({f"timing_s/{op}": sec for op, sec in measured.items()})
     m["timing_s/step"] = wall

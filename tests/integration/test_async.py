@@ -49,7 +49,9 @@ def test_rollouts_lag_the_trainer_by_at_most_k_versions(ray_cluster, tmp_path, k
     assert [m["rollout/staleness"] for m in rows] == [min(s, k) for s in range(4)]
     assert rows[0]["actor/mismatch_kl"] < 1e-6  # step 0 samples with the weights it trains
     assert all(m["actor/mismatch_kl"] > 1e-6 for m in rows[1:])  # later steps with older ones
-    assert all(m["actor/sync_probe_diff"] < 1e-5 for m in rows)
+    # each sync is checked: at K = 2 at the end of the next step (the first step reports none, the last two)
+    assert all(m["actor/sync_probe_diff"] < 1e-5 for m in rows[k - 1 :])
+    assert [m.get("actor/sync_step") for m in rows] == ([None] * 4 if k == 1 else [None, 1, 2, None])
     assert all(m["actor/is_weight"] > 0 for m in rows)
     for pool in ("actor.gen", "actor.train"):  # each pool's measured share of the step, beside the plan's
         assert all(m[f"pool/{pool}/busy_s"] > 0 and m[f"pool/{pool}/busy_predicted_s"] > 0 for m in rows)
@@ -79,6 +81,48 @@ def test_a_slow_trainer_never_trains_older_samples_nor_buffers_more_than_k(ray_c
     assert all(m["pool/actor.gen/idle_fraction"] > 0.5 for m in rows[1:])  # it waited for the trainer, not ran on
     text = pipeline_summary(out)
     assert f"  2 behind: {steps - 2} step(s)" in text and "at most 2 step(s) issued ahead" in text
+
+
+def test_at_k_2_the_trainer_goes_on_while_the_engine_generates_two_steps_ahead(ray_cluster, tmp_path):
+    """Generation is made slow (every trajectory's environment takes 30 ms to reset, one environment
+    process: about 1 s a generate) and training fast. At K = 2 the engine runs step s−1's weight sync
+    after the generate of step s+1, and the controller waits for (and checks) it only at the end of
+    step s: so step s's training starts while that sync has not run yet — the trainer never waits
+    for rollouts it does not train on next. Waiting for each step's own sync at its end would start
+    step s's training only after it."""
+    (tmp_path / "slow_env.py").write_text(
+        "import time\n\nfrom flowc.tasks.calculator import Calculator\n\n\nclass SlowCalc(Calculator):\n"
+        "    def reset(self, record):\n        time.sleep(0.03)\n        return super().reset(record)\n"
+    )
+    (tmp_path / "tool_flow.py").write_text(
+        "import flowc as fc\n\n\n@fc.flow\n"
+        "def tool_async(prompts: fc.Prompts, actor: fc.Policy, calc: fc.Environment, *, n: int = 4):\n"
+        "    rollout = actor.generate(prompts, n=n, env=calc, max_turns=1)\n"
+        "    old = actor.logprobs(rollout)\n"
+        "    adv = fc.ops.group_normalize(rollout.env_reward, group_size=n)\n"
+        "    actor.update(rollout, advantages=adv, old_logprobs=old, loss=fc.losses.decoupled_ppo(0.2))\n"
+    )
+    steps = 4
+    cfg = RunConfig(steps=steps, eval_every=0, checkpoint_every=0, staleness=2, env_workers=1)
+    req = request(
+        tmp_path,
+        flow=load_flow(str(tmp_path / "tool_flow.py")),
+        cluster="local:2",
+        workload=WORKLOAD,
+        config=cfg,
+        steps=steps,
+        pins=SEPARATE,
+        envs={"calc": f"{tmp_path / 'slow_env.py'}:SlowCalc"},
+    )
+    rows = _rows(run(req, progress=False))
+    assert [m["rollout/staleness"] for m in rows] == [0, 1, 2, 2]
+    assert [m.get("actor/sync_step") for m in rows] == [None, 1, 2, None]  # the last step checks the last two
+    assert all(m["actor/sync_probe_diff"] < 1e-5 for m in rows[1:])
+    for m in rows[1:3]:  # step s's row: its own ops and the sync of step s−1, from the step's start
+        tl = m["timeline_s"]
+        assert tl["actor.generate"][1] > 0.5  # (the slow environment)
+        sync_end = tl["actor.weight_sync"][0] + tl["actor.weight_sync"][1]
+        assert tl["actor.logprobs"][0] < sync_end - 0.3, tl
 
 
 def test_the_staleness_switches_between_steps_and_the_lag_stays_within_what_each_rollout_was_issued_under(ray_cluster, tmp_path):
