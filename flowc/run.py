@@ -463,6 +463,8 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
                     due = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
                     if stop.signum is not None or (due and step + 1 < cfg.steps):
                         with stop.deferred():  # a second signal waits until the checkpoint is whole
+                            if stop.signum is not None:  # the weight syncs staleness ≥ 2 deferred are checked too
+                                ctl.flush_syncs()
                             path = ctl.save(
                                 step + 1, {"seed": cfg.seed, "data_position": (step + 1) * spec.program.workload.prompts}
                             )

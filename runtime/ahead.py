@@ -1,8 +1,8 @@
 """Which steps' rollouts the controller issues ahead of the trainer (staleness K).
 
 During step ``s`` the controller issues the prompts and generates of steps ``s+1 … s+K`` (within
-the run) before it issues step ``s``'s weight sync, and waits for that sync only at the end of step
-``s+K−1`` (:func:`syncs_due`), so the trainer never waits for rollouts it does not train on next. Each worker group runs its calls in the order
+the run) before it issues step ``s``'s weight sync, and waits for that sync only in step ``s+K−1``
+(:func:`sync_due_at`), so the trainer never waits for rollouts it does not train on next. Each worker group runs its calls in the order
 issued, so step ``t``'s rollouts are sampled with the weights of the syncs issued before them: at
 step ``t`` that is ``max(t − K, 0)`` syncs, a lag of ``min(t, K)`` versions, and at most ``K``
 steps' rollouts wait issued ahead of the trainer (the buffer's bound).
@@ -24,28 +24,68 @@ def issued_ahead(step: int, staleness: int, steps: int) -> range:
     return range(step + 1, min(step + staleness, steps - 1) + 1)
 
 
-def syncs_due(step: int, staleness: int, steps: int) -> int:
-    """The last step whose weight sync the controller waits for (and checks) at the end of ``step``.
+def sync_due_at(step: int, staleness: int, steps: int) -> int:
+    """The step at whose end the controller waits for (and checks) the weight sync of ``step``,
+    issued under staleness ``staleness`` in a ``steps``-step run.
 
     The engine runs step ``s``'s sync after the generate of step ``s + K`` (issued before it), so
     waiting for it at the end of step ``s`` would hold the trainer until the rollouts of ``s + K``
     exist, though step ``s + 1`` needs only those of ``s + 1``: with K ≥ 2 a slow generate could
-    not be absorbed by the buffer. The wait is therefore deferred to the end of step ``s + K − 1``,
-    just before the trainer needs step ``s + K``'s rollouts, which the engine finishes just before
-    that sync anyway. Lock-step and K = 1 wait at the end of the step itself; the last step waits
-    for every sync (nothing is issued ahead of it)."""
-    return step if step >= steps - 1 else step - max(staleness, 1) + 1
+    not be absorbed by the buffer. The wait is therefore deferred to step ``s + K − 1``, just
+    before the trainer needs step ``s + K``'s rollouts, which the engine finishes just before that
+    sync anyway; the first generate the engine runs after the sync (of step ``s + K + 1`` or later,
+    whatever K becomes) is trained on only after the check. Lock-step and K = 1 wait at the end of
+    the step itself; the last step waits for every sync (nothing is issued ahead of it)."""
+    return min(step + max(staleness, 1) - 1, steps - 1)
 
 
 @dataclass
 class PendingSync(Generic[T]):
-    """A weight sync issued and not waited for yet (:func:`syncs_due`): its step, what it returns
-    (``refs``) and the trainer's side of its probe, when the trainer returned it apart."""
+    """A weight sync issued and not waited for yet: its step, the staleness it was issued under,
+    what it returns (``refs``) and the trainer's side of its probe, when the trainer returned it apart."""
 
     step: int
+    staleness: int
     sync: T
     refs: list[Any]
     trainer_probe: list[float] | None = None
+
+
+@dataclass
+class SyncQueue(Generic[T]):
+    """The weight syncs issued and not yet waited for, in the order issued.
+
+    The controller takes the due ones (:func:`sync_due_at`) twice a step: before it issues the
+    step's own syncs — so that an object-store sync holds at most ``max(K − 1, 1)`` exported copies
+    of the weights in the store at once, as many as lock-step at K ≤ 2 — and at the step's end,
+    where it reports and checks everything taken during the step."""
+
+    steps: int
+    pending: list[PendingSync[T]] = field(default_factory=list)
+    taken: list[PendingSync[T]] = field(default_factory=list)  # due this step, not reported yet
+
+    def add(self, q: PendingSync[T]) -> None:
+        self.pending.append(q)
+
+    def take_due(self, step: int) -> list[PendingSync[T]]:
+        """The pending syncs due by the end of ``step`` (those it has not taken already), in order,
+        with every one issued before a due one (the engine ran them first: a sync issued under a
+        larger K, then K lowered, is not checked after a later one)."""
+        due = [i for i, q in enumerate(self.pending) if sync_due_at(q.step, q.staleness, self.steps) <= step]
+        n = due[-1] + 1 if due else 0
+        now, self.pending = self.pending[:n], self.pending[n:]
+        self.taken += now
+        return now
+
+    def report(self) -> list[PendingSync[T]]:
+        """Everything taken since the last report, in the order issued."""
+        out, self.taken = self.taken, []
+        return out
+
+    def flush(self) -> list[PendingSync[T]]:
+        """Every sync issued and not reported (a run that stops before its last step)."""
+        out, self.taken, self.pending = self.taken + self.pending, [], []
+        return out
 
 
 @dataclass
@@ -89,4 +129,4 @@ class RolloutBuffer(Generic[T]):
         self.issued_under.pop(step, None)
 
 
-__all__ = ["PendingSync", "RolloutBuffer", "issued_ahead", "syncs_due"]
+__all__ = ["PendingSync", "RolloutBuffer", "SyncQueue", "issued_ahead", "sync_due_at"]

@@ -31,7 +31,7 @@ from flowc.ir.ops import Op, RoleKind
 from flowc.ir.run_config import RunConfig
 from flowc.ir.targets import resolve
 from flowc.ir.verify import check_staleness, filter_region
-from flowc.runtime.ahead import PendingSync, RolloutBuffer, syncs_due
+from flowc.runtime.ahead import PendingSync, RolloutBuffer, SyncQueue
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.batches import (
     INLINE_BYTES,
@@ -143,7 +143,7 @@ class Controller(HeldOut):
         tol = tolerance(self.p.target.dtype, self.cfg.sync_check_tol)
         self._checks = {st.node: SyncCheck(st.engine.role, tol, self.p.target.dtype) for st in self.p.steps_of(Op.WEIGHT_SYNC)}
         self._trainer_probe: dict[str, list[float] | None] = {}  # a sync's trainer side, until it joins _pending
-        self._pending: list[PendingSync[Step]] = []  # weight syncs issued, not waited for yet (staleness ≥ 2)
+        self._syncq: SyncQueue[Step] = SyncQueue(self.cfg.steps)  # weight syncs issued, not waited for yet (K ≥ 2)
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
@@ -290,25 +290,29 @@ class Controller(HeldOut):
         return m
 
     def _syncs_due(self, step: int, it: Iteration) -> list[PendingSync[Step]]:
-        """This step's weight syncs join the pending ones; those due at its end (``runtime.ahead.syncs_due``)
-        leave, in the order issued. The step's metrics report the last due sync of each role (its bytes,
-        seconds): ``it.metas`` holds its results in place of this step's own; an earlier one of the same
-        role (two due at once: the run's last step, or a lowered K) adds its seconds to the step's tally."""
+        """This step's weight syncs join the pending ones; those due by its end (``runtime.ahead``)
+        leave, with any taken before the step issued its syncs, in the order issued. The step's
+        metrics report the last of each role's (its bytes, seconds): ``it.metas`` holds its results
+        in place of this step's own; an earlier one of the same role (two due at once: the run's last
+        step, or a lowered K) counts only towards the spans the step waited on."""
         for st in self.p.steps_of(Op.WEIGHT_SYNC):
             if st.node in it.metas:
-                self._pending.append(PendingSync(step, st, it.metas.pop(st.node), self._trainer_probe.pop(st.node, None)))
-        last = syncs_due(step, self.p.staleness, self.cfg.steps)
-        due = [q for q in self._pending if q.step <= last]
-        self._pending = [q for q in self._pending if q.step > last]
+                probe = self._trainer_probe.pop(st.node, None)
+                self._syncq.add(PendingSync(step, self.p.staleness, st, it.metas.pop(st.node), probe))
+        self._syncq.take_due(step)
+        due = self._syncq.report()
         for i, q in enumerate(due):
             if any(later.sync.node == q.sync.node for later in due[i + 1 :]):
-                got = self._wait(q.sync, q.refs, "weight sync")
-                self._tally.ran(got)
-                sec = max(x.get("seconds", 0.0) for x in got)
-                self._tally.seconds[q.sync.node] = self._tally.seconds.get(q.sync.node, 0.0) + sec
+                self._tally.ran(self._wait(q.sync, q.refs, "weight sync"))
             else:
                 it.metas[q.sync.node] = q.refs
         return due
+
+    def flush_syncs(self) -> None:
+        """Wait for and check every weight sync issued and not checked yet (staleness ≥ 2 defers
+        them, ``runtime.ahead``): a run that stops before its last step calls it before its checkpoint."""
+        for q in self._syncq.flush():
+            self._check_sync(q.sync, self._wait(q.sync, q.refs, "weight sync"), q.step, q.trainer_probe)
 
     def _check_lag(self, step: int, it: Iteration, m: dict[str, Any]) -> None:
         """How many weight versions behind the trainer each synced rollout engine sampled this step's
@@ -395,6 +399,10 @@ class Controller(HeldOut):
         it.metas[st.node] = self._update(st, it.env, node)
 
     def _sync_step(self, st: Step, node: Node, it: Iteration) -> None:
+        # the earlier syncs due in this step first: an object-store sync's exported copy of the weights
+        # stays in the store until the engine has loaded it (runtime.ahead.SyncQueue)
+        for q in self._syncq.take_due(it.step):
+            self._wait(q.sync, q.refs, "weight sync")
         it.metas[st.node] = self._sync(st)
 
     def _reward(self, st: Step, node: Node, it: Iteration) -> None:

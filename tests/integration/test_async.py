@@ -84,15 +84,15 @@ def test_a_slow_trainer_never_trains_older_samples_nor_buffers_more_than_k(ray_c
 
 
 def test_at_k_2_the_trainer_goes_on_while_the_engine_generates_two_steps_ahead(ray_cluster, tmp_path):
-    """Generation is made slow (every trajectory's environment takes 30 ms to reset, one environment
-    process: about 1 s a generate) and training fast. At K = 2 the engine runs step s−1's weight sync
+    """Generation is made slow (every trajectory's environment takes 50 ms to reset, one environment
+    process: about 1.6 s a generate) and training fast. At K = 2 the engine runs step s−1's weight sync
     after the generate of step s+1, and the controller waits for (and checks) it only at the end of
     step s: so step s's training starts while that sync has not run yet — the trainer never waits
     for rollouts it does not train on next. Waiting for each step's own sync at its end would start
     step s's training only after it."""
     (tmp_path / "slow_env.py").write_text(
         "import time\n\nfrom flowc.tasks.calculator import Calculator\n\n\nclass SlowCalc(Calculator):\n"
-        "    def reset(self, record):\n        time.sleep(0.03)\n        return super().reset(record)\n"
+        "    def reset(self, record):\n        time.sleep(0.05)\n        return super().reset(record)\n"
     )
     (tmp_path / "tool_flow.py").write_text(
         "import flowc as fc\n\n\n@fc.flow\n"
@@ -120,9 +120,32 @@ def test_at_k_2_the_trainer_goes_on_while_the_engine_generates_two_steps_ahead(r
     assert all(m["actor/sync_probe_diff"] < 1e-5 for m in rows[1:])
     for m in rows[1:3]:  # step s's row: its own ops and the sync of step s−1, from the step's start
         tl = m["timeline_s"]
-        assert tl["actor.generate"][1] > 0.5  # (the slow environment)
+        assert tl["actor.generate"][1] > 1.0  # (the slow environment)
         sync_end = tl["actor.weight_sync"][0] + tl["actor.weight_sync"][1]
         assert tl["actor.logprobs"][0] < sync_end - 0.3, tl
+
+
+def test_a_run_stopped_early_checks_the_syncs_it_deferred(ray_cluster, tmp_path):
+    """At K = 2 step s's sync is checked in step s+1; a run stopped after step 2 of 4 (a signal)
+    checks the one left (flush_syncs, which flowc run calls before the stop's checkpoint)."""
+    from flowc.runtime.controller import Controller
+
+    cfg = RunConfig(steps=4, eval_every=0, checkpoint_every=0, staleness=2)
+    spec = prepare(
+        request(tmp_path, flow=_flow(tmp_path), cluster="local:2", workload=WORKLOAD, config=cfg, steps=4, pins=SEPARATE)
+    ).run
+    ctl = Controller(spec)
+    try:
+        ctl.start()
+        rows = [ctl.run_step(s) for s in range(2)]
+        assert "actor/sync_probe_diff" not in rows[0] and rows[1]["actor/sync_step"] == 1
+        (check,) = ctl._checks.values()
+        before = check.last
+        ctl.flush_syncs()  # the sync of step 2, run by the engine after the generate of step 4's
+        assert check.last is not None and check.last is not before
+        assert not ctl._syncq.pending and not ctl._syncq.taken
+    finally:
+        ctl.shutdown()
 
 
 def test_the_staleness_switches_between_steps_and_the_lag_stays_within_what_each_rollout_was_issued_under(ray_cluster, tmp_path):

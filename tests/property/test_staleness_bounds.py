@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowc.runtime.ahead import issued_ahead, syncs_due
+from flowc.runtime.ahead import PendingSync, SyncQueue, issued_ahead
 
 
 def play(staleness: int, steps: int, start: int = 0) -> tuple[list[int], int]:
@@ -57,8 +57,9 @@ def timed(gen: list[float], train: list[float], k: int, sync: float, *, deferred
     """When each step of the pipelined loop ends (the controller moves on), with the generate of
     step ``s`` taking ``gen[s]``, the trainer's ops of step ``s`` ``train[s]`` and a weight sync
     ``sync`` on the engine. The engine runs its calls in the order issued; the controller issues a
-    step's generates at its start, its sync when the trainer is done, and at the step's end waits
-    for the syncs :func:`syncs_due` names (``deferred``) or for the step's own (the loop before)."""
+    step's generates at its start and its sync when the trainer is done (and the syncs due in the
+    step before it: :class:`SyncQueue`), and at the step's end waits for the syncs due by then
+    (``deferred``) or for the step's own (the loop before)."""
     steps = len(gen)
     engine_free = 0.0
 
@@ -70,18 +71,22 @@ def timed(gen: list[float], train: list[float], k: int, sync: float, *, deferred
     gen_end: dict[int, float] = {}
     sync_end: dict[int, float] = {}
     clock = trainer = 0.0
-    pending: list[int] = []
+    queue: SyncQueue[None] = SyncQueue(steps)
     ends = []
     for s in range(steps):
         for t in [s, *issued_ahead(s, k, steps)]:
             if t not in gen_end:
                 gen_end[t] = on_engine(clock, gen[t])
         trainer = max(clock, gen_end[s], trainer) + train[s]
-        sync_end[s] = on_engine(trainer, sync)
-        pending.append(s)
-        last = syncs_due(s, k, steps) if deferred else s
-        clock = max([trainer, *(sync_end[q] for q in pending if q <= last)])
-        pending = [q for q in pending if q > last]
+        if not deferred:
+            sync_end[s] = on_engine(trainer, sync)
+            clock = max(trainer, sync_end[s])
+        else:
+            issued_at = max([trainer, *(sync_end[q.step] for q in queue.take_due(s))])
+            sync_end[s] = on_engine(issued_at, sync)
+            queue.add(PendingSync(s, k, None, []))
+            queue.take_due(s)
+            clock = max([issued_at, *(sync_end[q.step] for q in queue.report())])
         ends.append(clock)
     return ends
 
@@ -135,3 +140,41 @@ def test_a_slow_generate_is_absorbed_by_the_rollouts_issued_ahead():
     assert per_step["deferred"] == pytest.approx(1.0)
     assert per_step["before"] == pytest.approx(1.3)
     assert per_step["k1"] == pytest.approx(1.3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_every_sync_is_checked_once_in_order_before_any_rollout_sampled_after_it_is_trained_on(data):
+    """With K changed between steps (a re-plan), the controller's real queue of deferred syncs
+    (:class:`SyncQueue`) still checks each sync exactly once, in the order issued, and before the
+    trainer trains on any rollouts the engine sampled after that sync ran (their weights are the
+    ones the check vouches for); a run's last step leaves nothing unchecked; and before a step
+    issues its own sync at most max(K − 1, 1) exported copies are alive (K ≥ 1)."""
+    steps = data.draw(st.integers(1, 30))
+    ks = data.draw(st.lists(st.integers(0, 6), min_size=steps, max_size=steps))
+    engine: list[tuple[str, int]] = []
+    issued: set[int] = set()
+    queue: SyncQueue[None] = SyncQueue(steps)
+    checked_at: dict[int, int] = {}
+    order: list[int] = []
+    for s, k in enumerate(ks):
+        for t in [s, *issued_ahead(s, k, steps)]:
+            if t not in issued:
+                engine.append(("generate", t))
+                issued.add(t)
+        for q in queue.take_due(s):  # before the step's own sync is issued
+            checked_at[q.step] = s
+        if k >= 1:
+            assert len(queue.pending) + 1 <= max(k - 1, 1) or any(p.staleness > k for p in queue.pending)
+        engine.append(("sync", s))
+        queue.add(PendingSync(s, k, None, []))
+        queue.take_due(s)
+        for q in queue.report():
+            checked_at.setdefault(q.step, s)
+            order.append(q.step)
+    assert not queue.pending and not queue.taken
+    assert order == list(range(steps))  # each once, in the order issued
+    for i, (what, s) in enumerate(engine):
+        if what == "sync":
+            sampled_after = [t for w, t in engine[i + 1 :] if w == "generate"]
+            assert all(checked_at[s] < t for t in sampled_after)  # checked before step t trains on them
