@@ -60,6 +60,20 @@ def _dp_bw(hw: Hw, lay: Layout) -> float:
     return hw.link(lay.dp, lay.tp * lay.cp)
 
 
+def stage_skew(m: ModelSpec, pp: int, *, logits: bool) -> float:
+    """How much longer the slowest of ``pp`` pipeline stages computes than the mean stage: the
+    stages hold ``⌈L/pp⌉`` layers or fewer and the last one also the LM head (its vocabulary-wide
+    matmul, when the op computes ``logits``), and every micro-batch waits for the slowest
+    (Megatron places the head on the last stage; the embedding's lookup on the first costs no
+    matmul). 1 without a pipeline."""
+    if pp <= 1:
+        return 1.0
+    head = m.vocab_size * m.hidden_size if logits else 0.0
+    body = max(matmul_params(m) - m.vocab_size * m.hidden_size, 0.0)  # the layers' matmul parameters
+    slowest = math.ceil(m.num_layers / pp) * body / m.num_layers + head
+    return max(slowest / ((body + head) / pp), 1.0)
+
+
 def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) -> PhaseCost:
     """Time and memory of ``update`` with layout ``lay`` (``d.updates`` optimizer steps)."""
     devices = lay.world
@@ -105,8 +119,10 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
     if lay.cp > 1:
         kv = 2 * m.num_kv_heads * m.head_dim * wb
         cp = 0.3 * 3 * layers * (lay.cp - 1) * tokens_per_rank * kv / hw.link(lay.cp, lay.tp)
-    # pipeline: fill and drain once per optimizer update, plus activations between stages
-    bubble = compute / d.updates * (lay.pp - 1) / mbs * d.updates if lay.pp > 1 else 0.0
+    # pipeline: every micro-batch waits for the slowest stage (the LM head's), fill and drain once per
+    # optimizer update, plus activations between stages
+    skew = compute * (stage_skew(m, lay.pp, logits=logits) - 1.0)
+    bubble = skew + (compute + skew) * (lay.pp - 1) / mbs if lay.pp > 1 else 0.0
     pp_p2p = 0.0
     if lay.pp > 1:
         pp_p2p = 2 * tokens_per_rank * h2 / hw.link(lay.pp, lay.tp * lay.cp * lay.dp) * (lay.pp - 1) / lay.pp
@@ -233,7 +249,8 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     tp = 0.0
     if lay.tp > 1:
         tp = allreduce_time(tokens_per_rank * h2, lay.tp, hw.link(lay.tp), 0.0) * 2 * layers + 2 * layers * mbs * hw.latency
-    bubble = compute * (lay.pp - 1) / mbs if lay.pp > 1 else 0.0
+    skew = compute * (stage_skew(m, lay.pp, logits=logits) - 1.0)  # the slowest stage sets the pace
+    bubble = skew + (compute + skew) * (lay.pp - 1) / mbs if lay.pp > 1 else 0.0
     ep = 0.0
     if m.is_moe and lay.ep > 1:
         ep = (

@@ -204,3 +204,28 @@ def test_a_micro_batchs_fixed_cost_includes_the_master_weight_cast():
     # the same compute, launches and gradient all-reduce on both: what differs is the cast
     assert (c4.time - c1.time) - (mega4.time - mega.time) == pytest.approx(cast, rel=0.02)
     assert c1.micro_overhead_tokens > mega.micro_overhead_tokens > 0
+
+
+def test_the_slowest_pipeline_stage_sets_the_pace():
+    """Qwen2.5-7B (28 layers, 152,064 × 3,584 LM head, untied) on 4 stages: 7 layers each, and the
+    last also holds the head. By hand: layers' matmul parameters = matmul_params − head; the last
+    stage's share = 7/28 of them + the head, against the mean quarter of both. Every micro-batch
+    waits for it, so the pipeline's extra time (pp_bubble) holds the skew on top of fill and
+    drain; without logits (a critic's value head) or without a pipeline there is none."""
+    from flowc.passes.train_costs import stage_skew
+
+    head = 152064 * 3584
+    body = matmul_params(Q7) - head
+    assert stage_skew(Q7, 4, logits=True) == pytest.approx((body * 7 / 28 + head) / ((body + head) / 4))
+    assert stage_skew(Q7, 4, logits=True) == pytest.approx(1.23, abs=0.005)  # (2.18 B against 1.77 B parameters)
+    assert stage_skew(Q7, 3, logits=False) == pytest.approx(10 / (28 / 3))  # ⌈28/3⌉ = 10 layers on the slowest
+    assert stage_skew(Q7, 1, logits=True) == 1.0
+    d = Demand(sequences=256, prompt_len=512, response_len=512, mean_response_len=512, updates=4)
+    lay = Layout(dp=2, pp=4, backend="megatron", micro_batch=1)
+    cost = train_cost(Q7, lay, d, H100, logits=True)
+    mbs = 256 / 2 / 4  # micro-batches per replica per update
+    skew = cost.detail["compute"] * (stage_skew(Q7, 4, logits=True) - 1)
+    fill_drain = (cost.detail["compute"] + skew) * 3 / mbs
+    assert skew + fill_drain < cost.detail["pp_bubble"] < (skew + fill_drain) * 1.05  # (+ the activations' p2p)
+    fwd = forward_cost(Q7, lay, d, H100, logits=True, frozen=True)
+    assert fwd.detail["pp_bubble"] > fwd.detail["compute"] * 0.2  # the head's stage, for log-probs too

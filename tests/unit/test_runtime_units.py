@@ -359,9 +359,9 @@ def test_the_rollout_backend_comes_from_the_registry_and_rollout_overrides(monke
     ],
 )
 def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluster):
-    """`flowc plan` picks megatron for these; planned within the runtime's limits
-    the plan keeps it, lowers, and every megatron engine's degrees pass the
-    backend's own checks (they cover the pool and split the model)."""
+    """The actor trained on megatron (pinned: with its slowest pipeline stage priced the free plan
+    may prefer fsdp2 for the 70B), planned within the runtime's limits: the plan lowers, and every
+    megatron engine's degrees pass the backend's own checks (they cover the pool and split the model)."""
     from flowc.ir.cluster import ClusterSpec
     from flowc.ir.models import ModelSpec
     from flowc.ir.workload import WorkloadSpec
@@ -379,8 +379,10 @@ def test_runtime_accepts_the_megatron_plans_of_large_models(flow, models, cluste
     from flowc.passes.pins import PhasePin
 
     # the free plan, but without context parallelism (the megatron runtime's own limit, cp = 1)
-    free, _, _ = make_plan(g, specs, cl, wl, Pins(limits={"megatron": PhasePin(cp=1)}))
-    plan, _planned, _ = make_plan(g, specs, cl, wl, runtime_pins("gpu"), target=run_target(cl, RunConfig(), None, here=False))
+    mega = {"actor": {"train": PhasePin(backend="megatron")}}
+    free, _, _ = make_plan(g, specs, cl, wl, Pins(limits={"megatron": PhasePin(cp=1)}, roles=mega))
+    pins = runtime_pins("gpu").model_copy(update={"roles": mega})
+    plan, _planned, _ = make_plan(g, specs, cl, wl, pins, target=run_target(cl, RunConfig(), None, here=False))
     for p in (free, plan):
         assert p.roles["actor"].phases["train"].layout.backend == "megatron"
 
