@@ -139,21 +139,18 @@ class ParamSplit(NamedTuple):
         return self.dense + self.expert
 
 
-def expert_params_total(m: ModelSpec) -> int:
-    return m.expert_params_total
-
-
 def params_per_device(m: ModelSpec, lay: Layout, *, sharded_over_dp: bool | None = None) -> ParamSplit:
-    """Parameters one device holds (before any dp sharding unless ``sharded_over_dp``)."""
-    experts = expert_params_total(m)
-    dense = m.params_total - experts
+    """Parameters the fullest device holds (before any dp sharding unless ``sharded_over_dp``):
+    with a pipeline, a device of its largest stage (the embedding's or the LM head's,
+    :meth:`ModelSpec.largest_stage`)."""
+    dense, experts = m.largest_stage(lay.pp)
     fsdp = lay.fsdp if sharded_over_dp is None else sharded_over_dp
     dp_shard = lay.dp * lay.cp if fsdp else 1
     ep = max(lay.ep, 1)
     if lay.backend in ("vllm", "hf"):
         exp_div = ep if ep > 1 else lay.tp
-        return ParamSplit(dense / (lay.tp * lay.pp), experts / (exp_div * lay.pp))
-    return ParamSplit(dense / (lay.tp * lay.pp * dp_shard), experts / (ep * lay.pp * (dp_shard if fsdp else 1)))
+        return ParamSplit(dense / lay.tp, experts / exp_div)
+    return ParamSplit(dense / (lay.tp * dp_shard), experts / (ep * (dp_shard if fsdp else 1)))
 
 
 # ------------------------------------------------------------------ memory

@@ -40,11 +40,13 @@ def test_qwen3_moe_flops_count_active_params_only():
 
 def test_qwen7b_training_memory_by_hand():
     p = 7_615_616_512
+    # two stages: 14 layers and the embedding, or 14 layers, the LM head and the final norm (3,584)
+    stage = p / 2 + 3584 / 2
     mega = Layout(dp=2, tp=2, pp=2, backend="megatron")
     w, g, o = train_state_gb(Q7, mega)
-    assert w == pytest.approx(2 * p / 4 / 1e9)  # bf16 params over tp·pp
-    assert g == pytest.approx(4 * p / 4 / 1e9)  # fp32 grad buffer over tp·pp
-    assert o == pytest.approx(12 * p / 4 / 2 / 1e9)  # fp32 master + Adam m, v over tp·pp and dp
+    assert w == pytest.approx(2 * stage / 2 / 1e9)  # bf16 params of the largest stage over tp
+    assert g == pytest.approx(4 * stage / 2 / 1e9)  # fp32 grad buffer over tp
+    assert o == pytest.approx(12 * stage / 2 / 2 / 1e9)  # fp32 master + Adam m, v over tp and dp
     fsdp = Layout(dp=8, tp=1, backend="fsdp2", fsdp=True)
     w, g, o = train_state_gb(Q7, fsdp)
     assert (w, g, o) == pytest.approx((4 * p / 8 / 1e9, 4 * p / 8 / 1e9, 8 * p / 8 / 1e9))
@@ -58,12 +60,30 @@ def test_qwen3_moe_expert_parallel_memory_by_hand():
     dense = MOE.params_total - experts
     lay = Layout(dp=4, tp=1, pp=2, ep=4, backend="megatron")
     split = params_per_device(MOE, lay)
-    assert split.dense == pytest.approx(dense / 2)
+    stage = dense / 2 + 2048 / 2  # half the layers with the embedding, or with the head and the final norm
+    assert split.dense == pytest.approx(stage)
     assert split.expert == pytest.approx(experts / (4 * 2))
     w, _, o = train_state_gb(MOE, lay)
-    assert w == pytest.approx(2 * (dense / 2 + experts / 8) / 1e9)
+    assert w == pytest.approx(2 * (stage + experts / 8) / 1e9)
     # distributed optimizer: dense part over dp (4), experts over the expert-data-parallel group (dp/ep = 1)
-    assert o == pytest.approx(12 * (dense / 2 / 4 + experts / 8 / 1) / 1e9)
+    assert o == pytest.approx(12 * (stage / 4 + experts / 8 / 1) / 1e9)
+
+
+def test_a_pipeline_device_holds_its_largest_stage():
+    """Qwen2.5-7B on 4 stages (28 layers, untied 152,064 × 3,584 embedding and head): a device of the
+    last stage holds 7 layers, the head and the final norm — 14 % more than a quarter of the model,
+    which is what the planner used to count — and every phase's memory counts that device."""
+    e, h = 152064 * 3584, 3584
+    layers = Q7.params_total - 2 * e - h
+    stage = layers * 7 / 28 + e + h
+    assert Q7.largest_stage(4) == (pytest.approx(stage), 0.0)
+    assert stage / (Q7.params_total / 4) == pytest.approx(1.14, abs=0.01)
+    assert params_per_device(Q7, Layout(tp=2, pp=4, backend="megatron")).total == pytest.approx(stage / 2)
+    assert params_per_device(Q7, Layout(tp=2, pp=4, backend="vllm")).total == pytest.approx(stage / 2)
+    assert Q7.largest_stage(1) == (Q7.params_total, 0.0)
+    tied = ModelSpec.resolve("qwen2.5-1.5b")  # tied: the last stage keeps a copy of the embedding as its head
+    assert tied.tie_word_embeddings
+    assert sum(tied.largest_stage(2)) > tied.params_total / 2
 
 
 def test_a_paged_kv_cache_sized_by_its_peak_and_preemption_when_it_runs_out():
