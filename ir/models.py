@@ -14,9 +14,8 @@ multi-head latent attention (DeepSeek-V3's MLA) when ``kv_lora_rank`` is set.
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
