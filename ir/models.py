@@ -188,20 +188,18 @@ class ModelSpec(BaseModel):
         """(dense, routed-expert) parameters of the largest of ``pp`` pipeline stages: ``⌈L/pp⌉``
         layers, and the embedding (the first stage) or the LM head with the final norm (the last;
         with tied embeddings it holds a copy of the embedding, as Megatron does). The whole model's
-        for ``pp`` = 1. The experts are taken as spread evenly over the MoE layers."""
-        cache = self.__dict__.setdefault("_largest_stage", {})
-        if pp not in cache:
-            experts = float(self.expert_params_total)
-            dense = float(self.params_total) - experts
-            if pp <= 1:
-                cache[pp] = (dense, experts)
-            else:
-                k = math.ceil(self.num_layers / pp)
-                e = float(self.vocab_size * self.hidden_size)
-                layers = dense - self.embedding_params - self.hidden_size  # every layer's dense part
-                moe = min(k, self.moe_layers) / self.moe_layers if self.moe_layers else 0.0
-                cache[pp] = (layers * k / self.num_layers + e + self.hidden_size, experts * moe)
-        return cache[pp]
+        for ``pp`` = 1. The experts are taken as spread evenly over the MoE layers, and a stage's
+        ``⌈L/pp⌉`` layers as all MoE layers where the model has dense ones first (an upper bound
+        by a few percent, e.g. DeepSeek-V3's 3 dense layers)."""
+        experts = float(self.expert_params_total)
+        dense = float(self.params_total) - experts
+        if pp <= 1:
+            return dense, experts
+        k = math.ceil(self.num_layers / pp)
+        e = float(self.vocab_size * self.hidden_size)
+        layers = dense - self.embedding_params - self.hidden_size  # every layer's dense part
+        moe = min(k, self.moe_layers) / self.moe_layers if self.moe_layers else 0.0
+        return layers * k / self.num_layers + e + self.hidden_size, experts * moe
 
     @cached_property
     def params_active(self) -> int:

@@ -139,11 +139,12 @@ class ParamSplit(NamedTuple):
         return self.dense + self.expert
 
 
-def params_per_device(m: ModelSpec, lay: Layout, *, sharded_over_dp: bool | None = None) -> ParamSplit:
+def params_per_device(m: ModelSpec, lay: Layout, *, sharded_over_dp: bool | None = None, every_stage: bool = False) -> ParamSplit:
     """Parameters the fullest device holds (before any dp sharding unless ``sharded_over_dp``):
     with a pipeline, a device of its largest stage (the embedding's or the LM head's,
-    :meth:`ModelSpec.largest_stage`)."""
-    dense, experts = m.largest_stage(lay.pp)
+    :meth:`ModelSpec.largest_stage`); ``every_stage``: the devices of one tensor-parallel rank
+    across all the stages together (what a pipelined decode step reads, one stage after another)."""
+    dense, experts = m.largest_stage(1 if every_stage else lay.pp)
     fsdp = lay.fsdp if sharded_over_dp is None else sharded_over_dp
     dp_shard = lay.dp * lay.cp if fsdp else 1
     ep = max(lay.ep, 1)

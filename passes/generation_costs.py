@@ -50,8 +50,8 @@ def decode_step_device_s(m: ModelSpec, lay: Layout, hw: Hw, active: float, ctx: 
     host costs and kernel speed: reading the weight shard and the KV cache of ``active``
     sequences at context ``ctx`` (memory-bound) or their matmul and attention FLOPs
     (compute-bound), whichever is longer; the stages of a pipeline run one after the other."""
-    w_dev = generation_weights_gb(m, lay) * GB
-    mem_t = lay.pp * (w_dev + active * ctx * kv_bytes_per_token_device(m, lay)) / (hw.hbm * hw.eff.decode_bw)
+    w_stages = m.bytes_per_param * params_per_device(m, lay, every_stage=True).total  # every stage's shard, in turn
+    mem_t = (w_stages + lay.pp * active * ctx * kv_bytes_per_token_device(m, lay)) / (hw.hbm * hw.eff.decode_bw)
     mm = 2.0 * matmul_params(m) / lay.tp
     flops_t = active * (mm + attention_flops_per_token(m, ctx) / lay.tp) / (hw.peak * hw.eff.matmul)
     return max(mem_t, flops_t)

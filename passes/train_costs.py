@@ -29,7 +29,14 @@ from flowc.passes.costs import (
     train_state_gb,
     trained_fraction,
 )
-from flowc.passes.flops import Demand, forward_flops, matmul_params, train_flops, useful_train_flops
+from flowc.passes.flops import (
+    Demand,
+    attention_flops_per_token,
+    forward_flops,
+    matmul_params,
+    train_flops,
+    useful_train_flops,
+)
 
 
 def _tokens_per_micro(lay: Layout, seq_len: float, seqs_per_replica: float, longest: float = 0.0) -> float:
@@ -60,16 +67,18 @@ def _dp_bw(hw: Hw, lay: Layout) -> float:
     return hw.link(lay.dp, lay.tp * lay.cp)
 
 
-def stage_skew(m: ModelSpec, pp: int, *, logits: bool) -> float:
+def stage_skew(m: ModelSpec, pp: int, *, logits: bool, seq_len: float = 0.0) -> float:
     """How much longer the slowest of ``pp`` pipeline stages computes than the mean stage: the
     stages hold ``⌈L/pp⌉`` layers or fewer and the last one also the LM head (its vocabulary-wide
     matmul, when the op computes ``logits``), and every micro-batch waits for the slowest
     (Megatron places the head on the last stage; the embedding's lookup on the first costs no
-    matmul). 1 without a pipeline."""
+    matmul). Per token, in sequences of ``seq_len`` (the layers' attention, as
+    :func:`~flowc.passes.flops.forward_flops` counts it). 1 without a pipeline."""
     if pp <= 1:
         return 1.0
-    head = m.vocab_size * m.hidden_size if logits else 0.0
-    body = max(matmul_params(m) - m.vocab_size * m.hidden_size, 0.0)  # the layers' matmul parameters
+    head = 2.0 * m.vocab_size * m.hidden_size if logits else 0.0
+    body = 2.0 * max(matmul_params(m) - m.vocab_size * m.hidden_size, 0.0)  # the layers' matmuls
+    body += attention_flops_per_token(m, seq_len / 2.0)
     slowest = math.ceil(m.num_layers / pp) * body / m.num_layers + head
     return max(slowest / ((body + head) / pp), 1.0)
 
@@ -121,7 +130,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         cp = 0.3 * 3 * layers * (lay.cp - 1) * tokens_per_rank * kv / hw.link(lay.cp, lay.tp)
     # pipeline: every micro-batch waits for the slowest stage (the LM head's), fill and drain once per
     # optimizer update, plus activations between stages
-    skew = compute * (stage_skew(m, lay.pp, logits=logits) - 1.0)
+    skew = compute * (stage_skew(m, lay.pp, logits=logits, seq_len=padded) - 1.0)
     bubble = skew + (compute + skew) * (lay.pp - 1) / mbs if lay.pp > 1 else 0.0
     pp_p2p = 0.0
     if lay.pp > 1:
@@ -249,7 +258,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     tp = 0.0
     if lay.tp > 1:
         tp = allreduce_time(tokens_per_rank * h2, lay.tp, hw.link(lay.tp), 0.0) * 2 * layers + 2 * layers * mbs * hw.latency
-    skew = compute * (stage_skew(m, lay.pp, logits=logits) - 1.0)  # the slowest stage sets the pace
+    skew = compute * (stage_skew(m, lay.pp, logits=logits, seq_len=padded) - 1.0)  # the slowest stage sets the pace
     bubble = skew + (compute + skew) * (lay.pp - 1) / mbs if lay.pp > 1 else 0.0
     ep = 0.0
     if m.is_moe and lay.ep > 1:
