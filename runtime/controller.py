@@ -142,7 +142,7 @@ class Controller(HeldOut):
         self._probe = probe_rollout(self.tok, self._context() - 1) if self.cfg.sync_check else None
         tol = tolerance(self.p.target.dtype, self.cfg.sync_check_tol)
         self._checks = {st.node: SyncCheck(st.engine.role, tol, self.p.target.dtype) for st in self.p.steps_of(Op.WEIGHT_SYNC)}
-        self._trainer_probe: dict[str, list[float] | None] = {}  # a sync's trainer side, until it joins _pending
+        self._trainer_probe: dict[str, list[float] | None] = {}  # a sync's trainer side, until it joins _syncq
         self._syncq: SyncQueue[Step] = SyncQueue(self.cfg.steps)  # weight syncs issued, not waited for yet (K ≥ 2)
 
     # ---------------------------------------------------------------- start
