@@ -191,15 +191,31 @@ class ModelSpec(BaseModel):
         for ``pp`` = 1. The experts are taken as spread evenly over the MoE layers, and a stage's
         ``⌈L/pp⌉`` layers as all MoE layers where the model has dense ones first (an upper bound
         by a few percent, e.g. DeepSeek-V3's 3 dense layers)."""
-        experts = float(self.expert_params_total)
-        dense = float(self.params_total) - experts
+        dense, experts, layers, ends = self._stage_parts
         if pp <= 1:
             return dense, experts
         k = math.ceil(self.num_layers / pp)
-        e = float(self.vocab_size * self.hidden_size)
-        layers = dense - self.embedding_params - self.hidden_size  # every layer's dense part
         moe = min(k, self.moe_layers) / self.moe_layers if self.moe_layers else 0.0
-        return layers * k / self.num_layers + e + self.hidden_size, experts * moe
+        return layers * k / self.num_layers + ends, experts * moe
+
+    @cached_property
+    def _stage_parts(self) -> tuple[float, float, float, float]:
+        """(dense, routed-expert, every layer's dense part, an end stage's embedding or head with the
+        final norm) parameters: what :meth:`largest_stage` splits (the planner asks it per layout)."""
+        experts = float(self.expert_params_total)
+        dense = float(self.params_total) - experts
+        layers = dense - self.embedding_params - self.hidden_size
+        return dense, experts, layers, float(self.vocab_size * self.hidden_size + self.hidden_size)
+
+    @cached_property
+    def attention_width(self) -> int:
+        """Σ over layers of the heads' query·key and value widths: one token attending to one key
+        costs ``2 ×`` this many FLOPs in the forward pass (MLA: its q/k with the rotary part)."""
+        if self.is_mla:
+            d_qk, d_v = self.head_dim + self.qk_rope_head_dim, self.v_head_dim or self.head_dim
+        else:
+            d_qk = d_v = self.head_dim
+        return self.num_heads * (d_qk + d_v) * self.num_layers
 
     @cached_property
     def params_active(self) -> int:

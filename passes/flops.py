@@ -29,11 +29,7 @@ def matmul_params(m: ModelSpec) -> int:
 
 def attention_flops_per_token(m: ModelSpec, context: float) -> float:
     """Forward attention FLOPs of one token attending to ``context`` keys."""
-    if m.is_mla:
-        d_qk, d_v = m.head_dim + m.qk_rope_head_dim, m.v_head_dim or m.head_dim
-    else:
-        d_qk = d_v = m.head_dim
-    return 2.0 * context * m.num_heads * (d_qk + d_v) * m.num_layers
+    return 2.0 * context * m.attention_width
 
 
 def forward_flops(m: ModelSpec, tokens: float, seq_len: float) -> float:
