@@ -83,6 +83,16 @@ def stage_skew(m: ModelSpec, pp: int, *, logits: bool, seq_len: float = 0.0) -> 
     return max(slowest / ((body + head) / pp), 1.0)
 
 
+def pipeline_wait(m: ModelSpec, lay: Layout, compute: float, mbs: float, *, logits: bool, seq_len: float) -> float:
+    """Seconds a pipeline adds to ``compute`` spread evenly over its stages: every one of the ``mbs``
+    micro-batches waits for the slowest stage (:func:`stage_skew`), and the pipeline fills and
+    drains once at that pace. 0 without a pipeline."""
+    if lay.pp <= 1:
+        return 0.0
+    skew = compute * (stage_skew(m, lay.pp, logits=logits, seq_len=seq_len) - 1.0)
+    return skew + (compute + skew) * (lay.pp - 1) / mbs
+
+
 def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) -> PhaseCost:
     """Time and memory of ``update`` with layout ``lay`` (``d.updates`` optimizer steps)."""
     devices = lay.world
@@ -130,8 +140,7 @@ def train_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool) ->
         cp = 0.3 * 3 * layers * (lay.cp - 1) * tokens_per_rank * kv / hw.link(lay.cp, lay.tp)
     # pipeline: every micro-batch waits for the slowest stage (the LM head's), fill and drain once per
     # optimizer update, plus activations between stages
-    skew = compute * (stage_skew(m, lay.pp, logits=logits, seq_len=padded) - 1.0)
-    bubble = skew + (compute + skew) * (lay.pp - 1) / mbs if lay.pp > 1 else 0.0
+    bubble = pipeline_wait(m, lay, compute, mbs, logits=logits, seq_len=padded)
     pp_p2p = 0.0
     if lay.pp > 1:
         pp_p2p = 2 * tokens_per_rank * h2 / hw.link(lay.pp, lay.tp * lay.cp * lay.dp) * (lay.pp - 1) / lay.pp
@@ -258,8 +267,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     tp = 0.0
     if lay.tp > 1:
         tp = allreduce_time(tokens_per_rank * h2, lay.tp, hw.link(lay.tp), 0.0) * 2 * layers + 2 * layers * mbs * hw.latency
-    skew = compute * (stage_skew(m, lay.pp, logits=logits, seq_len=padded) - 1.0)  # the slowest stage sets the pace
-    bubble = skew + (compute + skew) * (lay.pp - 1) / mbs if lay.pp > 1 else 0.0
+    bubble = pipeline_wait(m, lay, compute, mbs, logits=logits, seq_len=padded)
     ep = 0.0
     if m.is_moe and lay.ep > 1:
         ep = (

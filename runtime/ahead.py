@@ -2,8 +2,8 @@
 
 During step ``s`` the controller issues the prompts and generates of steps ``s+1 … s+K`` (within
 the run) before it issues step ``s``'s weight sync, and waits for that sync only in step ``s+K−1``
-(:func:`sync_due_at`), so the trainer never waits for rollouts it does not train on next. Each worker group runs its calls in the order
-issued, so step ``t``'s rollouts are sampled with the weights of the syncs issued before them: at
+(:func:`sync_due_at`), so the trainer never waits for rollouts it does not train on next. Each
+worker group runs its calls in the order issued, so step ``t``'s rollouts are sampled with the weights of the syncs issued before them: at
 step ``t`` that is ``max(t − K, 0)`` syncs, a lag of ``min(t, K)`` versions, and at most ``K``
 steps' rollouts wait issued ahead of the trainer (the buffer's bound).
 """
