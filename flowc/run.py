@@ -15,15 +15,12 @@ and returns what the controller runs; :func:`run` runs it to the last step.
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import json
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +35,9 @@ from flowc.ir.plan import Plan
 from flowc.ir.run_config import RunConfig
 from flowc.ir.workload import WorkloadSpec
 from flowc.lengths import expand as expand_lengths
+from flowc.progress import Progress
 from flowc.run_record import RunRecord, absolute, absolute_model, absolute_reward, input_hashes
+from flowc.run_stop import Stop, checkpoint_status, resume_fix
 from flowc.tasks.builtin import BuiltinTask, arithmetic_task
 from flowc.trackers import MetricsLog
 
@@ -421,7 +420,7 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
     ctl.clean_checkpoints()  # what an earlier run left half-written
     # the inline executor runs the one worker and the rewards in this process and its children: no Ray
     started = init_ray(p.address) if spec.executor == "ray" and not ray.is_initialized() else False
-    stop = _Stop()
+    stop = Stop()
     resume = f"flowc run --resume {out}"
     log: MetricsLog | None = None
     try:
@@ -438,7 +437,7 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
             log = MetricsLog(
                 out, start_step, cfg.report_to, run_name=out.name, config=cfg.model_dump(mode="json", exclude_unset=True)
             )
-            bar = _Progress(cfg.steps, start_step, enabled=progress)
+            bar = Progress(cfg.steps, start_step, enabled=progress)
             current = p.plan  # the plan as re-planning last left it (its lengths, its staleness)
             with bar:
                 if start_step == 0 and cfg.eval_every:
@@ -481,15 +480,15 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
         if not stop.aborted:
             raise
         raise Interrupted(
-            f"aborted by a second {stop.name} during the run; {_checkpoint_status(out)}",
+            f"aborted by a second {stop.name} during the run; {checkpoint_status(out)}",
             exit_code=128 + (stop.signum or signal.SIGINT),
-            fix=_resume_fix(out, resume),
+            fix=resume_fix(out, resume),
         ) from None
     except Interrupted:
         raise
     except FlowcError as e:
         if e.fix is None or "--resume" not in e.fix:
-            e.fix = f"{e.fix + '; then ' if e.fix else ''}{_resume_fix(out, resume)} ({_checkpoint_status(out)})"
+            e.fix = f"{e.fix + '; then ' if e.fix else ''}{resume_fix(out, resume)} ({checkpoint_status(out)})"
         raise
     finally:
         if log is not None:
@@ -498,127 +497,3 @@ def run(req: RunRequest, *, progress: bool = True, on_step: Callable[[dict[str, 
         if started:
             shutdown_ray()
     return out
-
-
-class _Abort(KeyboardInterrupt):
-    """A second signal: leave now (nothing on the way catches a KeyboardInterrupt). While the main
-    thread waits in ``ray.get``, Ray runs the signal handler and turns what it raises into a fresh
-    KeyboardInterrupt only when it is one (anything else it swallows, and the wait goes on), so
-    the run tells an abort by :attr:`_Stop.aborted`, not by this type."""
-
-
-class _Stop:
-    """SIGINT and SIGTERM while a run is in the main thread: the first asks for a stop at the
-    next step boundary, the second aborts (after a checkpoint being written is whole)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._count = 0
-        self._defer = False
-        self._pending = False
-        self.aborted = False
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name if self.signum is not None else "a signal"
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._count += 1
-        if self._count == 1:
-            self.signum = signum
-            print(
-                f"\n{signal.Signals(signum).name}: stopping after the current step, with a checkpoint "
-                "(send it again to abort now)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        if self._defer:
-            self._pending = True
-            return
-        self.aborted = True
-        raise _Abort
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a stuck run is
-        try:
-            yield
-        finally:
-            for s, h in prev.items():
-                signal.signal(s, h)
-
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        """A second signal inside waits for the block to finish."""
-        self._defer = True
-        try:
-            yield
-        finally:
-            self._defer = False
-            if self._pending:
-                self.aborted = True
-                raise _Abort
-
-
-def _checkpoint_status(out: Path) -> str:
-    from flowc.runtime.checkpoints import CheckpointDir
-
-    latest = CheckpointDir(out).latest()
-    return f"the last checkpoint, {latest}, is intact" if latest is not None else "no checkpoint was written"
-
-
-def _resume_fix(out: Path, resume: str) -> str:
-    from flowc.runtime.checkpoints import CheckpointDir
-
-    if CheckpointDir(out).latest() is not None:
-        return f"continue from the last checkpoint with: {resume}"
-    return "start the run again (no checkpoint to resume from)"
-
-
-class _Progress:
-    """A live bar: step, reward, accuracy, tokens/s, ETA."""
-
-    def __init__(self, total: int, done: int, enabled: bool) -> None:
-        self.enabled = enabled
-        self.total = total
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.p = Progress(
-                TextColumn("[bold]step"),
-                MofNCompleteColumn(),
-                BarColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
-                transient=False,
-            )
-            self.task = self.p.add_task("run", total=total, completed=done, info="")
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            self.p.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
-            self.p.__exit__(*exc)
-
-    def update(self, m: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        parts = []
-        if "reward" in m:
-            parts.append(f"reward {m['reward']:.3f}")
-        if "accuracy" in m:
-            parts.append(f"acc {m['accuracy']:.3f}")
-        if "eval/accuracy" in m:
-            parts.append(f"eval acc {m['eval/accuracy']:.3f}")
-        if "eval/dpo_accuracy" in m:
-            parts.append(f"eval pref acc {m['eval/dpo_accuracy']:.3f}")
-        parts.append(f"{m['tokens_per_s']:.0f} tok/s")
-        self.p.update(self.task, completed=m["step"], info=" · ".join(parts))

@@ -31,7 +31,7 @@ from flowc.ir.ops import Op, RoleKind
 from flowc.ir.run_config import RunConfig
 from flowc.ir.targets import resolve
 from flowc.ir.verify import check_staleness, filter_region
-from flowc.runtime.ahead import PendingSync, RolloutBuffer, SyncQueue
+from flowc.runtime.ahead import RolloutBuffer
 from flowc.runtime.backends import EngineInit
 from flowc.runtime.batches import (
     INLINE_BYTES,
@@ -56,7 +56,8 @@ from flowc.runtime.ranks import output_ranks, replica_of
 from flowc.runtime.rewards import Rewards
 from flowc.runtime.run_checks import behaviour_comparable, check_environments, check_response_lengths, sampling_of
 from flowc.runtime.step_metrics import StepTally, step_metrics
-from flowc.runtime.sync_check import SyncCheck, first, probe_rollout, tolerance
+from flowc.runtime.sync_check import first
+from flowc.runtime.weight_sync import WeightSyncs
 from flowc.runtime.worker import WorkerGroup
 
 Group = WorkerGroup | InlineGroup  # a pool's workers: Ray actors, or one worker in this process
@@ -136,14 +137,10 @@ class Controller(HeldOut):
             Op.REWARD: self._reward,
             Op.COMPUTE: self._compute,
         }
-        self._syncs: dict[str, Callable[[Step], list[Any]]] = {"local": self._sync_local, "object_store": self._sync_buckets}
-        # checked weight sync (runtime.sync_check): a fixed probe both sides score after every sync
-        # (one token short of the engine's context: vLLM scores a sequence as a prompt with one token to generate)
-        self._probe = probe_rollout(self.tok, self._context() - 1) if self.cfg.sync_check else None
-        tol = tolerance(self.p.target.dtype, self.cfg.sync_check_tol)
-        self._checks = {st.node: SyncCheck(st.engine.role, tol, self.p.target.dtype) for st in self.p.steps_of(Op.WEIGHT_SYNC)}
-        self._trainer_probe: dict[str, list[float] | None] = {}  # a sync's trainer side, until it joins _syncq
-        self._syncq: SyncQueue[Step] = SyncQueue(self.cfg.steps)  # weight syncs issued, not waited for yet (K ≥ 2)
+        # issued through the plan's transport, waited for when due (K ≥ 2 defers it), checked by a probe
+        self.syncs = WeightSyncs(
+            lambda: self.p, self.cfg, self.tok, self._context(), self._group_of, self._wait, lambda: self._tally
+        )
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
@@ -270,7 +267,7 @@ class Controller(HeldOut):
                 it.env[st.node] = self._filter(st, it)
             else:
                 self._exec(st, it)
-        due = self._syncs_due(step, it)
+        due = self.syncs.due(step, it)
         m = step_metrics(self.p, it, self._tally, t_step, wait=self._wait, read=self._materialize, limit=self._response_limit)
         check_environments(m, step)
         self._check_lag(step, it, m)
@@ -278,41 +275,13 @@ class Controller(HeldOut):
             self._ahead.ran_ahead
         ):  # the rollout buffer at the end of the step: later steps' rollouts issued, not yet trained on (≤ K)
             m["rollout/buffered"] = len(self._ahead.waiting)
-        for q in due:  # in the order issued (waited for already: the metrics read every op's results)
-            role = q.sync.engine.role
-            diff = self._check_sync(q.sync, self._wait(q.sync, q.refs, "weight sync"), q.step, q.trainer_probe)
-            if diff is not None:
-                m[f"{role}/sync_probe_diff"] = diff
-            if q.step != step:  # a sync deferred from an earlier step (staleness ≥ 2) is reported here
-                m[f"{role}/sync_step"] = q.step + 1
-            else:
-                m.pop(f"{role}/sync_step", None)
+        self.syncs.report(due, step, m)
         return m
 
-    def _syncs_due(self, step: int, it: Iteration) -> list[PendingSync[Step]]:
-        """This step's weight syncs join the pending ones; those due by its end (``runtime.ahead``)
-        leave, with any taken before the step issued its syncs, in the order issued. The step's
-        metrics report the last of each role's (its bytes, seconds): ``it.metas`` holds its results
-        in place of this step's own; an earlier one of the same role (two due at once: the run's last
-        step, or a lowered K) counts only towards the spans the step waited on."""
-        for st in self.p.steps_of(Op.WEIGHT_SYNC):
-            if st.node in it.metas:
-                probe = self._trainer_probe.pop(st.node, None)
-                self._syncq.add(PendingSync(step, self.p.staleness, st, it.metas.pop(st.node), probe))
-        self._syncq.take_due(step)
-        due = self._syncq.report()
-        for i, q in enumerate(due):
-            if any(later.sync.node == q.sync.node for later in due[i + 1 :]):
-                self._tally.ran(self._wait(q.sync, q.refs, "weight sync"))
-            else:
-                it.metas[q.sync.node] = q.refs
-        return due
-
     def flush_syncs(self) -> None:
-        """Wait for and check every weight sync issued and not checked yet (staleness ≥ 2 defers
-        them, ``runtime.ahead``): a run that stops before its last step calls it before its checkpoint."""
-        for q in self._syncq.flush():
-            self._check_sync(q.sync, self._wait(q.sync, q.refs, "weight sync"), q.step, q.trainer_probe)
+        """Wait for and check every weight sync not checked yet (``WeightSyncs.flush``): a run that
+        stops before its last step calls it before its checkpoint."""
+        self.syncs.flush()
 
     def _check_lag(self, step: int, it: Iteration, m: dict[str, Any]) -> None:
         """How many weight versions behind the trainer each synced rollout engine sampled this step's
@@ -328,17 +297,6 @@ class Controller(HeldOut):
             if self._ahead.ran_ahead:
                 m["rollout/staleness"] = lag
         self._ahead.trained(step)
-
-    def _check_sync(self, st: Step, metas: list[dict[str, Any]], step: int, trainer_probe: list[float] | None) -> float | None:
-        """The sync's probe check (``runtime.sync_check``); None when the run does not check.
-        ``trainer_probe``: the trainer's side, where the trainer returned it apart from ``metas``."""
-        if self._probe is None:
-            return None
-        if metas and all(m.get("aliased") for m in metas):  # the engine runs the trainer's storage itself
-            self._checks[st.node].last = None
-            return 0.0
-        trainer = trainer_probe or first(metas, "probe_trainer")
-        return self._checks[st.node](step, trainer, first(metas, "probe_engine"))
 
     def _rollouts(self, step: int) -> Iteration:
         """Step ``step``'s iteration with its prompts read and its generates issued (not waited for).
@@ -399,11 +357,7 @@ class Controller(HeldOut):
         it.metas[st.node] = self._update(st, it.env, node)
 
     def _sync_step(self, st: Step, node: Node, it: Iteration) -> None:
-        # the earlier syncs due in this step first: an object-store sync's exported copy of the weights
-        # stays in the store until the engine has loaded it (runtime.ahead.SyncQueue)
-        for q in self._syncq.take_due(it.step):
-            self._wait(q.sync, q.refs, "weight sync")
-        it.metas[st.node] = self._sync(st)
+        it.metas[st.node] = self.syncs.issue(st, it.step)
 
     def _reward(self, st: Step, node: Node, it: Iteration) -> None:
         src = node.args[0].node
@@ -557,26 +511,6 @@ class Controller(HeldOut):
         calls = [(e.key, Op.UPDATE, per[replica[r]], args[replica[r]]) for r in range(wg.size)]
         return [o[1] for o in wg.call("run", per_rank=calls, num_returns=2)]
 
-    def _sync(self, st: Step) -> list[Any]:
-        """A weight sync by the method the plan chose, through the transport the runtime implements it with."""
-        return self._syncs[st.args["transport"]](st)
-
-    def _sync_local(self, st: Step) -> list[Any]:
-        wg, _ = self._group_of(st.engine)
-        # lock-step: the rollout engine may run the trainer's own parameters (no copy; see Worker.sync_local)
-        return wg.call("sync_local", st.engine, st.args["to"], self._probe, self.p.staleness == 0)
-
-    def _sync_buckets(self, st: Step) -> list[Any]:
-        train, _ = self._group_of(st.engine)
-        gen, _ = self._group_of(st.args["to"])
-        exported = train.get(
-            train.call("export_weights", st.engine, st.args["bucket_bytes"], self._probe),
-            f"weight sync {st.engine.role} (gather)",
-        )
-        self._tally.ran([meta for _, meta in exported])
-        self._trainer_probe[st.node] = first([meta for _, meta in exported], "probe_trainer")
-        return gen.call("import_weights", st.args["to"], exported[0][0], self._probe)
-
     def _response_limit(self, st: Step) -> int:
         """The longest response ``st`` may generate (what ``response_length/clip_ratio`` counts; a
         multi-turn generate's policy tokens are bounded by the trajectory's budget)."""
@@ -607,11 +541,7 @@ class Controller(HeldOut):
         ckpt, state = CheckpointDir(run_dir).read_latest()
         for wg, e in self._trained():
             wg.get(wg.call("load", e.key, str(ckpt)), f"loading {e.role}")
-        for st in self.p.steps_of(Op.WEIGHT_SYNC):  # the rollout engines get the restored weights (checked)
-            refs = self._sync(st)
-            self._check_sync(
-                st, self._wait(st, refs, "weight sync"), int(state.get("step", 0)) - 1, self._trainer_probe.pop(st.node, None)
-            )
+        self.syncs.reload(int(state.get("step", 0)))  # the rollout engines get the restored weights (checked)
         self.history = state.get("metrics", [])
         self._load_base = int(state.get("step", 0)) - (1 if self.p.steps_of(Op.WEIGHT_SYNC) else 0)  # one load: the restore
         return state

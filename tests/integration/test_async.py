@@ -139,11 +139,11 @@ def test_a_run_stopped_early_checks_the_syncs_it_deferred(ray_cluster, tmp_path)
         ctl.start()
         rows = [ctl.run_step(s) for s in range(2)]
         assert "actor/sync_probe_diff" not in rows[0] and rows[1]["actor/sync_step"] == 1
-        (check,) = ctl._checks.values()
+        (check,) = ctl.syncs.checks.values()
         before = check.last
         ctl.flush_syncs()  # the sync of step 2, run by the engine after the generate of step 4's
         assert check.last is not None and check.last is not before
-        assert not ctl._syncq.pending and not ctl._syncq.taken
+        assert not ctl.syncs.queue.pending and not ctl.syncs.queue.taken
     finally:
         ctl.shutdown()
 
