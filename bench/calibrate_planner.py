@@ -2,6 +2,7 @@
 
     python bench/calibrate_planner.py            # prints the table for docs/planner.md
     python bench/calibrate_planner.py --fit      # also refits the training efficiency (prints it)
+    python bench/calibrate_planner.py --phases   # only the per-phase table (verl's published phases)
 
 Every published figure comes from ../shared/reference/README.md. Where a
 publication leaves a setting out (batch size, layouts), the assumption is
@@ -15,6 +16,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+import flowc as fc
 from flowc.errors import FlowcError
 from flowc.ir import hardware
 from flowc.ir.cluster import ClusterSpec
@@ -288,6 +290,95 @@ def sources(configs: list[Published]) -> str:
     )
 
 
+# ---------------------------------------------------------------- per phase
+VERL_ASYNC = (
+    "verl docs/advance/fully_async.md, the 'colocate sync' rows (Qwen2.5-Math-7B DAPO on H20, vLLM + FSDP2), "
+    "with the settings of its scripts recipe/fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh"
+)
+#: verl's published synchronous, co-located runs: (GPUs, step, gen, old_log_prob, update_actor) in seconds
+VERL_SYNC_ROWS = (
+    (32, 790.10, 357.41, 107.71, 313.81),
+    (64, 365.28, 150.72, 70.26, 133.41),
+    (128, 356.30, 177.85, 53.92, 113.81),
+)
+#: the scripts' layout as pins: FSDP2 over every device, vLLM tp 4 at gpu_memory_utilization 0.8, one pool.
+#: Ulysses sequence parallelism 4 over 61,440-token micro-batches (use_dynamic_bsz) leaves each device a
+#: quarter of a micro-batch's tokens; flowc's fsdp2 has no sequence parallelism, so that share is pinned.
+VERL_PINS = (
+    "actor.train.backend=fsdp2",
+    "actor.train.tp=1",
+    "actor.train.share_prompts=false",
+    "actor.train.activation_checkpointing=true",
+    "actor.train.micro_tokens=15360",
+    "actor.generate.tp=4",
+    "actor.generate.gpu_memory_utilization=0.8",
+    "colocate=actor.train,actor.gen",
+)
+VERL_ASSUMED = (
+    "n=16, 512 prompts a step, mini-batches of 32 prompts (16 updates), prompt 256 tokens (its limit is 2048; "
+    "DAPO-Math prompts are short), response ≤ 28,672; no dynamic sampling (the fully asynchronous mode it is "
+    "compared with has none) and no KL (no reference); activation checkpointing on (verl's default). The mean "
+    "response length is not published: each row fits it so that the predicted update equals the published one"
+)
+
+
+@fc.flow
+def dapo_streamed(prompts: fc.Prompts, actor: fc.Policy, reward: fc.Reward, *, n: int = 16):
+    """DAPO as verl's fully asynchronous comparison runs it: clip-higher, token-mean, no dynamic sampling."""
+    rollout = actor.generate(prompts, n=n)
+    scores = reward(rollout)
+    old_logp = actor.logprobs(rollout)
+    adv = fc.ops.group_normalize(scores, group_size=n)
+    actor.update(rollout, advantages=adv, old_logprobs=old_logp, loss=fc.losses.ppo_clip(0.2, 0.28, agg="token-mean"))
+
+
+@dataclass
+class Phases:
+    gpus: int
+    mean_response: float
+    step: float
+    generate: float
+    logprobs: float
+    update: float
+
+
+def verl_phases(gpus: int, mean_response: float) -> Phases:
+    """The per-phase prediction of verl's co-located DAPO run on ``gpus`` H20 at a mean response length."""
+    g = dapo_streamed.trace(n=16)
+    m = ModelSpec.resolve("qwen2.5-7b")  # Qwen2.5-Math-7B has Qwen2.5-7B's architecture
+    w = WorkloadSpec(prompts=512, prompt_len=256, response_len=28672, mean_response_len=mean_response, mini_batches=16)
+    plan, _, _ = make_plan(g, {"actor": m}, ClusterSpec.parse(f"{gpus // 8}x8xH20"), w, parse_pins(list(VERL_PINS)))
+    ph = plan.roles["actor"].phases
+    return Phases(
+        gpus, mean_response, plan.predicted.step_time_s, ph["generate"].time_s, ph["forward"].time_s, ph["train"].time_s
+    )
+
+
+def fit_mean_response(gpus: int, update_s: float) -> Phases:
+    """The mean response length at which the predicted update takes ``update_s`` (bisection: the
+    update grows with the tokens)."""
+    lo, hi = 50.0, 28000.0
+    for _ in range(30):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if verl_phases(gpus, mid).update < update_s else (lo, mid)
+    return verl_phases(gpus, (lo * hi) ** 0.5)
+
+
+def phases_table() -> str:
+    lines = [
+        "| H20s | fitted mean response | update (fitted) | log-probs: published | predicted | ratio "
+        "| generate: published | predicted | ratio | step: published | predicted | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for gpus, step, gen, logp, update in VERL_SYNC_ROWS:
+        p = fit_mean_response(gpus, update)
+        lines.append(
+            f"| {gpus} | {p.mean_response:.0f} | {update:.1f} s | {logp:.1f} s | {p.logprobs:.1f} s | {p.logprobs / logp:.2f} "
+            f"| {gen:.1f} s | {p.generate:.1f} s | {p.generate / gen:.2f} | {step:.1f} s | {p.step:.1f} s | {p.step / step:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rs: list[Row]) -> str:
     lines = ["| figure | published | predicted | error | use | assumptions |", "|---|---:|---:|---:|---|---|"]
     for r in rs:
@@ -301,7 +392,13 @@ def table(rs: list[Row]) -> str:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--fit", action="store_true")
+    ap.add_argument("--phases", action="store_true", help="only the per-phase table")
     args = ap.parse_args()
+    if args.phases:
+        print(phases_table())
+        print()
+        print(f"Source: {VERL_ASYNC}. Assumed: {VERL_ASSUMED}.")
+        raise SystemExit(0)
     current = hardware.get_profile("H100").efficiency.train
     value = fit_train() if args.fit else current
     if args.fit:
@@ -312,3 +409,5 @@ if __name__ == "__main__":
     print(published_table(configs))
     print()
     print(sources(configs))
+    print()
+    print(phases_table())

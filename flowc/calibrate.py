@@ -9,7 +9,7 @@ one efficiency factor of the profile:
 op                     factor
 =====================  ===============================================
 ``generate``           ``decode_bw`` (the decode loop reads weights and KV cache)
-forward ops            ``matmul`` (log-probs, values, scores)
+forward ops            ``forward`` (log-probs, values, scores)
 ``update``             ``train``
 weight sync            ``intra_node`` (``inter_node`` when it crossed nodes)
 =====================  ===============================================
@@ -38,7 +38,7 @@ from flowc.ir.cluster import ClusterSpec
 from flowc.ir.hardware import Efficiency
 from flowc.ir.plan import Plan
 
-FACTORS = ("decode_bw", "matmul", "train", "intra_node", "inter_node")
+FACTORS = ("decode_bw", "forward", "train", "intra_node", "inter_node")
 
 
 @dataclass
@@ -69,7 +69,7 @@ def factor_of(plan: Plan, op: str) -> str | None:
     entry = next((e for e in plan.schedule if e.op == op), None)
     if entry is None or entry.phase is None:
         return None
-    return {"generate": "decode_bw", "forward": "matmul", "train": "train"}.get(entry.phase)
+    return {"generate": "decode_bw", "forward": "forward", "train": "train"}.get(entry.phase)
 
 
 def read_run(run_dir: Path) -> tuple[Plan, list[OpTime]]:

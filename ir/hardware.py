@@ -11,10 +11,10 @@ calibrated. Names are matched case-insensitively, with aliases (``H100`` is
 from __future__ import annotations
 
 from importlib import resources
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flowc.errors import SpecError
 
@@ -23,7 +23,10 @@ class Efficiency(BaseModel):
     """Achieved fractions of peak (all in (0, 1]).
 
     Attributes:
-        matmul: large dense GEMMs (prefill, forward passes).
+        matmul: large dense GEMMs (a rollout engine's prefill and decode FLOPs).
+        forward: a training framework's forward-only passes (log-probs, values, scores): the
+            same model code and kernels as the training pass, so not a bare GEMM's rate; a
+            profile that leaves it out uses ``matmul``.
         train: dense training steps (forward + backward + optimizer), the MFU
             a well-tuned single-node run reaches before communication costs.
         decode_bw: HBM bandwidth reached by the memory-bound decode loop.
@@ -35,11 +38,19 @@ class Efficiency(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     matmul: float = Field(gt=0, le=1)
+    forward: float = Field(gt=0, le=1)
     train: float = Field(gt=0, le=1)
     decode_bw: float = Field(gt=0, le=1)
     intra_node: float = Field(gt=0, le=1)
     inter_node: float = Field(gt=0, le=1)
     moe_train: float = Field(1.0, gt=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _forward_defaults_to_matmul(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "forward" not in data and "matmul" in data:
+            return {**data, "forward": data["matmul"]}
+        return data
 
 
 class RolloutCost(BaseModel):

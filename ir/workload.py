@@ -37,8 +37,8 @@ class WorkloadSpec(BaseModel):
             (defaults to ``response_len``: every response runs to the limit).
         response_percentiles: measured response lengths ``min/p50/p90/p99/max`` (what
             ``lengths_from=RUN_DIR`` fills in from a run's metrics): generation is priced over
-            this distribution (its long tail); None: an exponential with the mean, cut at
-            the limit.
+            this distribution (its long tail); None: an exponential with the mean whose last
+            percent spreads up to the limit (``passes/response_lengths.py``).
         mini_batches: optimizer updates per step per epoch (PPO mini-batches).
         epochs: passes over the rollout per step.
         train_micro_batch: sequences per device per micro-step of training

@@ -58,7 +58,8 @@ class Demand:
         passes: how many times the op runs over the data per step (epochs).
         updates: optimizer updates per step (``mini_batches × epochs``).
         percentiles: measured response lengths (min, p50, p90, p99, max), when the workload
-            gives them; otherwise :attr:`lengths` is an exponential with the mean.
+            gives them; otherwise :attr:`lengths` is an exponential body with the mean whose
+            last percent spreads up to the limit.
         agent, turns: a multi-turn generate, and its policy turns per trajectory.
         obs_len: tokens of one environment observation between turns.
         env_latency_s: seconds of one environment step.

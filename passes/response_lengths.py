@@ -5,7 +5,8 @@ A batch of rollouts ends when its longest response does, and the last responses 
 sequences at a time, at the step's fixed cost (the long tail). Pricing generation at the mean
 length hides both. :class:`LengthDist` is the distribution the workload describes: measured
 percentiles when it gives them (``response_percentiles``, e.g. from ``lengths_from=RUN_DIR``),
-otherwise an exponential with the workload's mean, cut at the response limit (the cut is the
+otherwise an exponential body with the workload's mean whose last percent of responses spreads
+up to the response limit (:data:`TAIL_FROM`: a batch's longest response reaches the limit, the
 clipped share every RL run reports), or every response at the limit when no mean is given.
 
 :func:`continuous_batch` plays one replica's requests through an engine with a KV cache of
@@ -33,6 +34,15 @@ from flowc.ir.workload import PERCENTILE_SHARES, percentiles_mean
 MAX_SIMULATED = 512
 #: duration-weighted levels the batch-size profile is reduced to for pricing
 PROFILE_LEVELS = 12
+#: with only a mean, the share of responses below which lengths follow the exponential; the rest
+#: spread evenly up to the response limit. An exponential alone has its longest of ``n`` responses
+#: near ``θ·ln n``: a tenth of a 28k limit at a 1.2k mean, where runs report responses clipped at
+#: the limit, and generation that does not speed up with more replicas because the longest
+#: response sets it (verl's DAPO-7B on 64 and 128 H20: 151 and 178 s; docs/planner.md)
+TAIL_FROM = 0.99
+#: the longest response the default distribution reaches, in means (when the limit is further):
+#: a 1 % tail to a limit thousands of means away would carry most of the mean
+TAIL_REACH = 100.0
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,11 @@ class LengthDist:
 
     Attributes:
         limit: the response limit (no response is longer).
-        theta: scale of the exponential the lengths follow below the limit (``inf``: every
-            response at the limit); used when ``knots`` is empty.
+        theta: scale of the exponential the lengths follow up to the :data:`TAIL_FROM` quantile
+            (beyond it they run linearly up to ``reach``; ``inf``: every response at the limit);
+            used when ``knots`` is empty.
+        reach: the longest response of the ``theta`` form: the limit, or :data:`TAIL_REACH`
+            means when the limit is further.
         knots: ``(u, length)`` points of a piecewise-linear quantile function (u from 0 to 1),
             from measured percentiles.
     """
@@ -50,11 +63,12 @@ class LengthDist:
     limit: float
     theta: float = math.inf
     knots: tuple[tuple[float, float], ...] = ()
+    reach: float = 0.0  # with ``theta``: the longest response (0: the limit)
 
     @staticmethod
     def of(limit: float, mean: float, percentiles: tuple[float, ...] | None = None) -> LengthDist:
         """The distribution a workload describes: ``percentiles`` (min, p50, p90, p99, max) when
-        given, else an exponential cut at ``limit`` whose mean is ``mean``."""
+        given, else an exponential body whose top percent spreads up to ``limit``, of mean ``mean``."""
         return _dist(float(limit), float(mean), tuple(percentiles) if percentiles else None)
 
     def quantile(self, u: float) -> float:
@@ -65,9 +79,15 @@ class LengthDist:
                 if u <= u1:
                     return x0 if u1 <= u0 else x0 + (x1 - x0) * (u - u0) / (u1 - u0)
             return self.knots[-1][1]
-        if math.isinf(self.theta) or u >= 1.0:
+        if math.isinf(self.theta):
             return self.limit
-        return min(self.limit, max(1.0, -self.theta * math.log1p(-u)))
+        top = self.reach or self.limit
+        if u >= 1.0:
+            return top
+        if u > TAIL_FROM:
+            edge = _exp_quantile(self.theta, top, TAIL_FROM)
+            return edge + (top - edge) * (u - TAIL_FROM) / (1.0 - TAIL_FROM)
+        return _exp_quantile(self.theta, top, u)
 
     @property
     def mean(self) -> float:
@@ -87,6 +107,21 @@ class LengthDist:
         """Mean response tokens a sequence holds while it decodes (length-biased: a response of
         length L is in flight for L steps, holding L/2 tokens on average): ``E[L²] / 2E[L]``."""
         return _held_mean(self)
+
+
+def _exp_quantile(theta: float, limit: float, u: float) -> float:
+    return min(limit, max(1.0, -theta * math.log1p(-u)))
+
+
+def _tailed_mean(theta: float, limit: float) -> float:
+    """Mean of the default distribution: the exponential of scale ``theta`` capped at ``limit`` (its
+    reach) up to the :data:`TAIL_FROM` quantile, then linear from there to ``limit``.
+    ``∫₀ᵁ −θ·ln(1−u) du = θ((1−U)·ln(1−U) + U)``; past ``u_c = 1 − e^(−limit/θ)`` it is ``limit``."""
+    top = TAIL_FROM
+    u_c = -math.expm1(-limit / theta)  # where the exponential reaches the limit
+    u = min(top, u_c)
+    body = theta * ((1.0 - u) * math.log1p(-u) + u) + limit * (top - u)
+    return body + (1.0 - top) * (_exp_quantile(theta, limit, top) + limit) / 2.0
 
 
 @lru_cache(maxsize=4096)
@@ -136,17 +171,18 @@ def _dist(limit: float, mean: float, percentiles: tuple[float, ...] | None) -> L
     mean = min(max(mean, 1.0), limit)
     if mean >= limit * (1.0 - 1e-6):
         return LengthDist(limit)
-    # the mean of min(Exp(θ), limit) is θ(1 - e^(-limit/θ)), rising from 0 to the limit with θ
-    lo, hi = mean, mean
-    while hi * -math.expm1(-limit / hi) < mean:
+    # the mean rises with θ from the tail's share alone, (1 − TAIL_FROM)·(1 + reach)/2 ≤ mean/2, to the reach
+    reach = min(limit, TAIL_REACH * mean)
+    lo, hi = 1e-9, mean
+    while _tailed_mean(hi, reach) < mean:
         hi *= 2.0
-    for _ in range(80):
+    for _ in range(100):
         mid = 0.5 * (lo + hi)
-        if mid * -math.expm1(-limit / mid) < mean:
+        if _tailed_mean(mid, reach) < mean:
             lo = mid
         else:
             hi = mid
-    return LengthDist(limit, theta=0.5 * (lo + hi))
+    return LengthDist(limit, theta=0.5 * (lo + hi), reach=0.0 if reach >= limit else reach)
 
 
 @lru_cache(maxsize=4096)
@@ -155,7 +191,7 @@ def _mean(d: LengthDist) -> float:
         return percentiles_mean(tuple(x for _, x in d.knots))
     if math.isinf(d.theta):
         return d.limit
-    return d.theta * -math.expm1(-d.limit / d.theta)
+    return _tailed_mean(d.theta, d.reach or d.limit)
 
 
 @dataclass(frozen=True)

@@ -248,7 +248,7 @@ def forward_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, logits: bool, 
     padded = padded_seq_len(d, lay, seqs_per_dp)
     mbs = _micro_batches(seqs_per_dp, lay, padded)
     t_micro = _tokens_per_micro(lay, padded, seqs_per_dp, d.prompt_len + d.response_len)
-    eff = hw.eff.matmul * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
+    eff = hw.eff.forward * shape_efficiency(t_micro, m.hidden_size / lay.tp, hw)
     compute = plain = forward_flops(m, d.tokens * padded / d.seq_len, padded) / (devices * hw.peak * eff)
     wb = m.bytes_per_param  # compute dtype: activations, gathered weights
     ps_full = params_per_device(m, lay, sharded_over_dp=False)

@@ -255,3 +255,39 @@ def test_the_slowest_pipeline_stage_sets_the_pace():
     assert skew + fill_drain < cost.detail["pp_bubble"] < (skew + fill_drain) * 1.05  # (+ the activations' p2p)
     fwd = forward_cost(Q7, lay, d, H100, logits=True, frozen=True)
     assert fwd.detail["pp_bubble"] > fwd.detail["compute"] * 0.2  # the head's stage, for log-probs too
+
+
+def test_forward_ops_are_priced_at_the_forward_factor_not_a_bare_gemms():
+    """A framework's forward pass runs the training pass's kernels: its compute is priced at
+    ``eff.forward`` (GPU profiles: ``train``), not the bare-GEMM ``matmul`` rate that a rollout
+    engine's prefill and decode keep."""
+    from dataclasses import replace
+
+    from flowc.ir.hardware import Efficiency
+
+    d = Demand(sequences=256, prompt_len=512, response_len=512, mean_response_len=512)
+    lay = Layout(dp=16, backend="fsdp2", fsdp=True)
+    assert H100.eff.forward == H100.eff.train < H100.eff.matmul
+    base = forward_cost(Q7, lay, d, H100, logits=True, frozen=True)
+    half = replace(H100, eff=H100.eff.model_copy(update={"forward": H100.eff.forward / 2}))
+    no_gemm = replace(H100, eff=H100.eff.model_copy(update={"matmul": H100.eff.matmul / 2}))
+    assert forward_cost(Q7, lay, d, half, logits=True, frozen=True).detail["compute"] == pytest.approx(2 * base.detail["compute"])
+    assert forward_cost(Q7, lay, d, no_gemm, logits=True, frozen=True).time == pytest.approx(base.time)
+    # a profile or a cluster file's efficiency without ``forward`` keeps the earlier pricing (matmul's)
+    legacy = Efficiency(matmul=0.7, train=0.5, decode_bw=0.6, intra_node=0.8, inter_node=0.8)
+    assert legacy.forward == 0.7
+
+
+def test_a_compute_bound_decode_step_pays_the_gemm_shape_factor():
+    """On an H20 (148 TFLOP/s) a 7B engine at tp 4 decoding 1024 sequences is compute-bound; its
+    step's GEMMs are 1024 tokens on 896-wide shards: 1024/(1024+64) · 896/(896+256) of the rate."""
+    from flowc.passes.costs import shape_efficiency
+    from flowc.passes.flops import attention_flops_per_token
+    from flowc.passes.generation_costs import decode_step_device_s
+
+    h20 = Hw.of(ClusterSpec.parse("1x8xH20"))
+    lay = Layout(tp=4, backend="vllm")
+    shape = shape_efficiency(1024, Q7.hidden_size / 4, h20)
+    assert shape == pytest.approx(1024 / 1088 * 896 / 1152)
+    flops = 1024 * (2 * matmul_params(Q7) / 4 + attention_flops_per_token(Q7, 1500) / 4)
+    assert decode_step_device_s(Q7, lay, h20, 1024, 1500) == pytest.approx(flops / (h20.peak * h20.eff.matmul * shape))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 import flowc as fc
 from flowc.errors import SpecError
 from flowc.ir.workload import WorkloadSpec
-from flowc.passes.response_lengths import MAX_SIMULATED, LengthDist, continuous_batch
+from flowc.passes.response_lengths import MAX_SIMULATED, TAIL_FROM, TAIL_REACH, LengthDist, continuous_batch
 
 
 def test_no_mean_is_every_response_at_the_limit():
@@ -21,13 +22,42 @@ def test_no_mean_is_every_response_at_the_limit():
 
 
 def test_an_exponential_cut_at_the_limit_keeps_the_mean_and_its_clipped_share():
-    d = LengthDist.of(4096, 1960)
+    d = LengthDist.of(4096, 1960)  # the exponential reaches the limit before the last percent: nothing to spread
     assert d.mean == pytest.approx(1960, rel=1e-6)
     # θ(1 - e^(-L/θ)) = mean, and the share cut at the limit is e^(-L/θ)
     assert d.theta * -math.expm1(-4096 / d.theta) == pytest.approx(1960, rel=1e-6)
     clipped = math.exp(-4096 / d.theta)
     assert d.quantile(1 - clipped / 2) == 4096 and d.quantile(1 - clipped * 2) < 4096
     assert d.quantile(0.5) == pytest.approx(d.theta * math.log(2))
+
+
+def test_a_limit_many_means_away_is_reached_by_the_last_percent():
+    """An exponential alone puts the longest of 1024 responses near θ·ln 1024 (about 9k of a 28k
+    limit at a 1.2k mean); the default spreads its last percent up to the limit instead."""
+    d = LengthDist.of(28672, 1201)
+    assert d.mean == pytest.approx(1201, rel=1e-6)
+    assert d.quantile(TAIL_FROM) == pytest.approx(-d.theta * math.log(1 - TAIL_FROM))  # the exponential's body
+    assert d.quantile(1.0) == 28672 and d.quantile(0.995) == pytest.approx((d.quantile(TAIL_FROM) + 28672) / 2)
+    assert d.expected_max(1024) > 0.9 * 28672 > 3 * d.theta * math.log(1024)
+    rng = random.Random(0)  # the mean of draws through the quantile function
+    assert sum(d.quantile(rng.random()) for _ in range(200_000)) / 200_000 == pytest.approx(1201, rel=0.02)
+
+
+def test_a_limit_beyond_the_tail_reach_stops_the_tail_there():
+    d = LengthDist.of(100_000, 50)
+    assert d.mean == pytest.approx(50, rel=1e-6)
+    assert d.quantile(1.0) == TAIL_REACH * 50 < 100_000
+
+
+@settings(max_examples=200, deadline=None)
+@given(limit=st.integers(2, 1_000_000), share=st.floats(1e-4, 1.0))
+def test_the_default_keeps_the_mean_within_the_limit(limit, share):
+    mean = max(1.0, share * limit)
+    d = LengthDist.of(limit, mean)
+    assert d.mean == pytest.approx(min(mean, limit), rel=1e-6, abs=1e-6)
+    xs = [d.quantile(i / 400) for i in range(401)]
+    assert all(a <= b + 1e-9 for a, b in itertools.pairwise(xs)) and xs[0] >= 1.0 and xs[-1] <= limit
+    assert xs[-1] <= max(TAIL_REACH * mean, limit if d.theta == math.inf else 0.0) + 1e-6
 
 
 def test_expected_longest_against_sampling():
