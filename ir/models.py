@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from functools import cached_property
+from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,28 @@ from flowc.errors import SpecError
 from flowc.ir.lora import LoraConfig, adapter_params
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+
+
+@lru_cache(maxsize=4096)
+def stage_split(layers: int, pp: int) -> tuple[int, ...] | None:
+    """Transformer layers in each of ``pp`` pipeline stages, as the runtime has Megatron-core
+    build them: ``L/pp`` each where ``pp`` divides ``L``; otherwise the middle stages all alike
+    and the first and last the rest (Megatron's ``num_layers_in_first/last_pipeline_stage``),
+    the last, which also holds the LM head, the smaller half. The middle stages take ``⌈L/pp⌉``
+    where that leaves each end a layer (61 layers in 16 stages: 3, 4 × 14, 2), else ``⌊L/pp⌋``
+    (61 in 12: 6, 5 × 10, 5). None when ``pp`` is more stages than layers."""
+    if pp <= 1:
+        return (layers,)
+    if layers < pp:
+        return None
+    if layers % pp == 0:
+        return (layers // pp,) * pp
+    k = -(-layers // pp)
+    if layers - (pp - 2) * k < 2:
+        k = layers // pp
+    rest = layers - (pp - 2) * k
+    first = -(-rest // 2)
+    return (first, *([k] * (pp - 2)), rest - first)
 
 
 class ModelSpec(BaseModel):
@@ -185,18 +207,24 @@ class ModelSpec(BaseModel):
         return self._total(active=False)
 
     def largest_stage(self, pp: int) -> tuple[float, float]:
-        """(dense, routed-expert) parameters of the largest of ``pp`` pipeline stages: ``⌈L/pp⌉``
-        layers, and the embedding (the first stage) or the LM head with the final norm (the last;
-        with tied embeddings it holds a copy of the embedding, as Megatron does). The whole model's
-        for ``pp`` = 1. The experts are taken as spread evenly over the MoE layers, and a stage's
-        ``⌈L/pp⌉`` layers as all MoE layers where the model has dense ones first (an upper bound
-        by a few percent, e.g. DeepSeek-V3's 3 dense layers)."""
+        """(dense, routed-expert) parameters of the largest of ``pp`` pipeline stages
+        (:func:`stage_split`): its layers, and the embedding (the first stage) or the LM head with
+        the final norm (the last; with tied embeddings it holds a copy of the embedding, as
+        Megatron does). The whole model's for ``pp`` = 1. The experts are taken as spread evenly
+        over the MoE layers, and a stage's layers as all MoE layers where the model has dense ones
+        first (an upper bound by a few percent, e.g. DeepSeek-V3's 3 dense layers). A ``pp`` with
+        no split is priced as ``⌈L/pp⌉`` layers beside an end (the planner does not offer it)."""
         dense, experts, layers, ends = self._stage_parts
         if pp <= 1:
             return dense, experts
-        k = math.ceil(self.num_layers / pp)
+        split = stage_split(self.num_layers, pp) or (math.ceil(self.num_layers / pp),) * pp
+        per = layers / self.num_layers
+        # the first stage holds the embedding, the last the head with the final norm
+        first, last = split[0] * per + self.vocab_size * self.hidden_size, split[-1] * per + ends
+        middle = max(split[1:-1], default=0) * per
+        k = max(split)
         moe = min(k, self.moe_layers) / self.moe_layers if self.moe_layers else 0.0
-        return layers * k / self.num_layers + ends, experts * moe
+        return max(first, middle, last), experts * moe
 
     @cached_property
     def _stage_parts(self) -> tuple[float, float, float, float]:

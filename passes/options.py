@@ -125,7 +125,9 @@ PP_LIMIT = 16  # deeper pipelines pay per-stage overheads the model does not pri
 
 
 def pp_choices(n: int, layers: int) -> list[int]:
-    """Pipeline depths: divisors of ``n`` up to PP_LIMIT with at least 2 layers a stage."""
+    """Pipeline depths: divisors of ``n`` up to PP_LIMIT with at least 2 layers a stage, split as
+    the runtime splits them (:func:`~flowc.ir.models.stage_split`: uneven ends where ``pp`` does
+    not divide the layers)."""
     return [k for k in divisors(n) if k <= PP_LIMIT and (k == 1 or layers // k >= 2)]
 
 

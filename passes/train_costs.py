@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from flowc.ir.models import ModelSpec
+from flowc.ir.models import ModelSpec, stage_split
 from flowc.ir.plan import Layout
 from flowc.passes.costs import (
     CPU_ADAM_PARAMS_PER_S,
@@ -69,17 +69,20 @@ def _dp_bw(hw: Hw, lay: Layout) -> float:
 
 def stage_skew(m: ModelSpec, pp: int, *, logits: bool, seq_len: float = 0.0) -> float:
     """How much longer the slowest of ``pp`` pipeline stages computes than the mean stage: the
-    stages hold ``⌈L/pp⌉`` layers or fewer and the last one also the LM head (its vocabulary-wide
-    matmul, when the op computes ``logits``), and every micro-batch waits for the slowest
-    (Megatron places the head on the last stage; the embedding's lookup on the first costs no
-    matmul). Per token, in sequences of ``seq_len`` (the layers' attention, as
-    :func:`~flowc.passes.flops.forward_flops` counts it). 1 without a pipeline."""
+    stages hold the layers :func:`~flowc.ir.models.stage_split` gives them (``⌈L/pp⌉`` or fewer)
+    and the last one also the LM head (its vocabulary-wide matmul, when the op computes
+    ``logits``), and every micro-batch waits for the slowest (Megatron places the head on the
+    last stage; the embedding's lookup on the first costs no matmul). Per token, in sequences of
+    ``seq_len`` (the layers' attention, as :func:`~flowc.passes.flops.forward_flops` counts it).
+    1 without a pipeline."""
     if pp <= 1:
         return 1.0
     head = 2.0 * m.vocab_size * m.hidden_size if logits else 0.0
     body = 2.0 * max(matmul_params(m) - m.vocab_size * m.hidden_size, 0.0)  # the layers' matmuls
     body += attention_flops_per_token(m, seq_len / 2.0)
-    slowest = math.ceil(m.num_layers / pp) * body / m.num_layers + head
+    split = stage_split(m.num_layers, pp) or (math.ceil(m.num_layers / pp),) * pp
+    per = body / m.num_layers
+    slowest = max(max(split[:-1]) * per, split[-1] * per + head)
     return max(slowest / ((body + head) / pp), 1.0)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from flowc.errors import SpecError
-from flowc.ir.models import ModelSpec
+from flowc.ir.models import ModelSpec, stage_split
 from flowc.runtime.modeling import SCORE_HEAD
 
 VOCAB_MULTIPLE = 128  # Megatron's make_vocab_size_divisible_by
@@ -90,8 +90,8 @@ def check_degrees(arch: ModelSpec, d: Degrees) -> None:
         problems.append(f"tp={d.tp} does not divide the {arch.num_kv_heads} key/value heads")
     if not arch.num_experts and arch.intermediate_size % d.tp:
         problems.append(f"tp={d.tp} does not divide the MLP width {arch.intermediate_size}")
-    if arch.num_layers % d.pp:
-        problems.append(f"pp={d.pp} does not divide the {arch.num_layers} layers")
+    if stage_split(arch.num_layers, d.pp) is None:
+        problems.append(f"pp={d.pp} is more pipeline stages than the {arch.num_layers} layers")
     if d.ep > 1 and (not arch.num_experts or arch.num_experts % d.ep):
         problems.append(f"ep={d.ep} does not divide the {arch.num_experts} experts")
     if problems:
@@ -99,8 +99,13 @@ def check_degrees(arch: ModelSpec, d: Degrees) -> None:
 
 
 def stage_layers(arch: ModelSpec, d: Degrees) -> range:
-    per = arch.num_layers // d.pp
-    return range(d.pp_rank * per, (d.pp_rank + 1) * per)
+    """The model's layers that pipeline stage ``d.pp_rank`` holds (:func:`stage_split`: the
+    split Megatron builds, uneven at the ends where ``pp`` does not divide the layers)."""
+    split = stage_split(arch.num_layers, d.pp)
+    if split is None:
+        raise SpecError(f"pp={d.pp} is more pipeline stages than the {arch.num_layers} layers")
+    start = sum(split[: d.pp_rank])
+    return range(start, start + split[d.pp_rank])
 
 
 # ----------------------------------------------------------------- the rules

@@ -160,18 +160,17 @@ def tp_worker(rank: int, world: int, init: str, out) -> None:
     dist.destroy_process_group()
 
 
-def pp_worker(rank: int, world: int, init: str, out) -> None:
+def pp_worker(rank: int, world: int, init: str, source: str, vocab: int, out) -> None:
     """pp=2 by hand (Megatron's 1F1B schedule needs CUDA): stage 0's hidden states into stage 1."""
     _start(rank, world, init)
     from flowc.runtime.megatron_model import pack
     from flowc.runtime.modeling import response_logprobs
 
-    source = str(asset_dir())
     eng = _engine(source, Layout(dp=1, pp=2, backend="megatron"))
-    r, _ = batch()
+    r, _ = batch(vocab)
     packed = pack(r.prompt_ids, r.prompt_mask, r.response_ids)
     pos = torch.arange(packed.ids.shape[1]).unsqueeze(0).expand_as(packed.ids)
-    res: dict = {}
+    res: dict = {"layers": len(eng.b.model.decoder.layers)}
     with torch.no_grad():
         if rank == 0:
             hidden = eng.b.model(packed.ids, pos, packed.causal)
@@ -274,9 +273,26 @@ def test_tensor_parallel_logprobs_gradients_and_weight_stream():
         assert 0.3 * res[rank]["model_bytes"] < res[rank]["received"] < 0.7 * res[rank]["model_bytes"]
 
 
-def test_pipeline_stages_compose_to_the_hf_model():
-    res = _spawn(pp_worker)
+def _dense_dir(path: str, layers: int) -> str:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=40, tie_word_embeddings=True,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_pipeline_stages_compose_to_the_hf_model(layers, tmp_path):
+    """2 layers: one a stage; 3 layers: 2 and 1 (stage_split: Megatron's uneven first and last
+    stages), the split the planner prices where pp does not divide the layers."""
+    source, vocab = (str(asset_dir()), 16) if layers == 2 else (_dense_dir(str(tmp_path), layers), 40)
+    res = _spawn(pp_worker, source, vocab)
     assert res[1]["forward_err"] < 1e-5, res[1]
+    assert [res[0]["layers"], res[1]["layers"]] == ([1, 1] if layers == 2 else [2, 1])
     for rank in (0, 1):
         assert res[rank]["stream_keys_equal"] and res[rank]["stream_bit_identical"]
 

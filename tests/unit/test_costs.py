@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flowc.ir.cluster import ClusterSpec
-from flowc.ir.models import ModelSpec
+from flowc.ir.models import ModelSpec, stage_split
 from flowc.ir.plan import Layout, kv_tokens_held
 from flowc.passes.costs import Hw, params_per_device, train_state_gb
 from flowc.passes.flops import Demand, forward_flops, matmul_params, train_flops
@@ -291,3 +293,41 @@ def test_a_compute_bound_decode_step_pays_the_gemm_shape_factor():
     assert shape == pytest.approx(1024 / 1088 * 896 / 1152)
     flops = 1024 * (2 * matmul_params(Q7) / 4 + attention_flops_per_token(Q7, 1500) / 4)
     assert decode_step_device_s(Q7, lay, h20, 1024, 1500) == pytest.approx(flops / (h20.peak * h20.eff.matmul * shape))
+
+
+@settings(max_examples=300, deadline=None)
+@given(layers=st.integers(1, 160), pp=st.integers(1, 32))
+def test_a_pipeline_split_gives_every_stage_a_layer_as_megatron_builds_it(layers, pp):
+    """``stage_split`` is what the runtime has Megatron build (equal middle stages, the first and
+    last stages set apart) and what the planner prices: every stage a layer, the layers all placed,
+    the last stage (the LM head's) no fuller than the first, ``⌈L/pp⌉`` at most where the ends allow."""
+    split = stage_split(layers, pp)
+    if pp > layers:
+        assert split is None
+        return
+    assert split is not None and len(split) == pp and sum(split) == layers and min(split) >= 1
+    assert len(set(split[1:-1])) <= 1 and split[-1] <= split[0]
+    k = -(-layers // pp)
+    if layers % pp == 0:
+        assert set(split) == {layers // pp}
+    elif layers - (pp - 2) * k >= 2:
+        assert max(split) == k
+
+
+def test_a_pipeline_that_does_not_divide_the_layers_is_priced_by_its_split():
+    """Qwen2.5-7B's 28 layers on 8 stages: 2, 4 × 6, 2. The fullest device is the last stage's (2
+    layers, the head and the final norm), not ⌈28/8⌉ = 4 layers beside the head (what the planner
+    counted before it split as the runtime does); the slowest stage is the last too."""
+    from flowc.passes.train_costs import stage_skew
+
+    assert stage_split(28, 8) == (2, 4, 4, 4, 4, 4, 4, 2)
+    e, h = 152064 * 3584, 3584
+    per = (Q7.params_total - 2 * e - h) / 28
+    assert Q7.largest_stage(8) == (pytest.approx(2 * per + e + h), 0.0)
+    assert 2 * per + e + h > 4 * per  # the head's stage, not a middle one
+    head = 152064 * 3584
+    body = (matmul_params(Q7) - head) / 28
+    assert stage_skew(Q7, 8, logits=True) == pytest.approx((2 * body + head) / ((28 * body + head) / 8))
+    assert stage_skew(Q7, 8, logits=False) == pytest.approx(4 / (28 / 8))  # a middle stage, without the head
+    # 61 layers in 12 stages (DeepSeek-V3 as verl runs it): the middle take 5, the first 6
+    assert stage_split(61, 12) == (6, *[5] * 10, 5)

@@ -91,7 +91,10 @@ def _round_trip(kind: str, tp: int, pp: int, ep: int) -> None:
         assert torch.equal(back[name], t), name
 
 
-@pytest.mark.parametrize("kind,tp,pp,ep", [("qwen2", 2, 2, 1), ("llama", 2, 2, 1), ("llama", 4, 1, 1), ("qwen3_moe", 2, 2, 2)])
+@pytest.mark.parametrize(
+    "kind,tp,pp,ep",
+    [("qwen2", 2, 2, 1), ("llama", 2, 2, 1), ("llama", 4, 1, 1), ("qwen3_moe", 2, 2, 2), ("qwen2", 1, 3, 1), ("llama", 2, 3, 1)],
+)
 def test_hf_to_megatron_and_back_is_bit_identical(kind, tp, pp, ep):
     _round_trip(kind, tp, pp, ep)
 
@@ -162,8 +165,23 @@ def test_checkpoint_with_per_expert_tensors(tmp_path):
 
 def test_degrees_that_do_not_divide_the_model_are_named():
     arch = megatron_spec(MODELS["qwen2"].config)
-    with pytest.raises(SpecError, match=r"tp=4 does not divide the 2 key/value heads.*pp=3 does not divide the 4 layers"):
-        to_megatron(state_getter(_hf_state(MODELS["qwen2"])), arch, Degrees(tp=4, pp=3))
+    with pytest.raises(
+        SpecError, match=r"tp=4 does not divide the 2 key/value heads.*pp=5 is more pipeline stages than the 4 layers"
+    ):
+        to_megatron(state_getter(_hf_state(MODELS["qwen2"])), arch, Degrees(tp=4, pp=5))
+
+
+def test_a_pipeline_that_does_not_divide_the_layers_splits_them_unevenly_at_the_ends():
+    """4 layers in 3 stages: 1, 2, 1 (stage_split, what Megatron builds from
+    num_layers_in_first/last_pipeline_stage); each stage numbers its own layers from 0."""
+    from flowc.runtime.megatron_weights import stage_layers
+
+    arch = megatron_spec(MODELS["qwen2"].config)
+    assert [list(stage_layers(arch, Degrees(pp=3, pp_rank=r))) for r in range(3)] == [[0], [1, 2], [3]]
+    state = _hf_state(MODELS["qwen2"])
+    mid = to_megatron(state_getter(state), arch, Degrees(pp=3, pp_rank=1))
+    assert torch.equal(mid["decoder.layers.1.mlp.linear_fc2.weight"], state["model.layers.2.mlp.down_proj.weight"])
+    assert not any(k.startswith("decoder.layers.2") for k in mid) and "output_layer.weight" not in mid
 
 
 def test_unmapped_architectures_are_refused():
