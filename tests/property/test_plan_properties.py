@@ -26,7 +26,7 @@ from flowc.loader import load_flow
 from flowc.passes.costs import Hw
 from flowc.passes.flops import Demand
 from flowc.passes.generation_costs import generation_weights_gb
-from flowc.passes.options import OptionTable, divisors, pareto
+from flowc.passes.options import FRONT_LIMIT, OptionTable, UnitOption, divisors, pareto
 from flowc.passes.pins import Pins
 from flowc.passes.pipeline import make_plan
 from flowc.passes.reshard import _cut, deliveries, gen_shards, part_bytes
@@ -261,3 +261,42 @@ def test_a_micro_batch_never_holds_more_sequences_than_its_replica():
     dem = Demand(sequences=64, prompt_len=512, response_len=512, mean_response_len=512)
     times = [forward_cost(m, Layout(dp=8, micro_batch=mb), dem, hw, logits=True, frozen=True).time for mb in (8, 16, 64)]
     assert times[0] == pytest.approx(times[1]) == pytest.approx(times[2])
+
+
+@st.composite
+def fronts(draw):
+    """A front of options, fastest first: each slower one leaner in resident or transient memory."""
+    n = draw(st.integers(FRONT_LIMIT + 1, 60))
+    out, time_s, res, trans = [], 1.0, draw(st.floats(5, 200)), draw(st.floats(1, 80))
+    for _ in range(n):
+        out.append(UnitOption("u", 8, {}, {}, res, trans, time_s))
+        time_s *= 1 + draw(st.floats(0.001, 0.5))
+        if draw(st.booleans()):
+            res *= draw(st.floats(0.8, 0.99))
+        else:
+            trans *= draw(st.floats(0.8, 0.99))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(front=fronts(), budget_share=st.floats(0.0, 1.0))
+def test_a_truncated_front_keeps_the_fastest_option_of_every_memory_budget_it_spans(front, budget_share):
+    """What a pool that shares its devices can afford is a memory budget: within any budget the
+    kept options hold one no slower than the fastest option of the whole front within the next
+    budget level below it (levels spread geometrically from the leanest total to the fastest's),
+    and the fastest and leanest options are always kept. (An even spread along the front alone,
+    the rule before, fails this.)"""
+    assert pareto(front, limit=10**6) == front  # a front already
+    kept = pareto(front, FRONT_LIMIT)
+    assert len(kept) == FRONT_LIMIT and kept[0] is front[0]
+    assert min(o.resident_gb for o in kept) == min(o.resident_gb for o in front)
+    assert min(o.transient_gb for o in kept) == min(o.transient_gb for o in front)
+    total = [o.resident_gb + o.transient_gb for o in front]
+    lo, hi = min(total), max(total[0], min(total))
+    levels = (FRONT_LIMIT - 3 + 1) // 2  # budgets beside the three kept extremes (half the other slots)
+    step = (hi / lo) ** (1 / (levels + 1))
+    budget = lo * (hi / lo) ** budget_share
+    within = [o.time for o in kept if o.resident_gb + o.transient_gb <= budget * (1 + 1e-9)]
+    below = [o.time for o in front if o.resident_gb + o.transient_gb <= budget / step * (1 + 1e-9)]
+    if below:
+        assert within and min(within) <= min(below)
