@@ -51,7 +51,9 @@ def _set_train(value: float) -> None:
     profs = hardware.profiles()
     for name, p in list(profs.items()):
         if p.kind == "gpu":
-            profs[name] = p.model_copy(update={"efficiency": p.efficiency.model_copy(update={"train": value})})
+            # forward-only passes run the training pass's kernels: the GPU profiles set forward = train
+            update = {"train": value, "forward": value}
+            profs[name] = p.model_copy(update={"efficiency": p.efficiency.model_copy(update=update)})
 
 
 def qwen3_moe_mfu(gpus: int) -> float:

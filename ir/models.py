@@ -207,13 +207,14 @@ class ModelSpec(BaseModel):
         return self._total(active=False)
 
     def largest_stage(self, pp: int) -> tuple[float, float]:
-        """(dense, routed-expert) parameters of the largest of ``pp`` pipeline stages
-        (:func:`stage_split`): its layers, and the embedding (the first stage) or the LM head with
-        the final norm (the last; with tied embeddings it holds a copy of the embedding, as
-        Megatron does). The whole model's for ``pp`` = 1. The experts are taken as spread evenly
-        over the MoE layers, and a stage's layers as all MoE layers where the model has dense ones
-        first (an upper bound by a few percent, e.g. DeepSeek-V3's 3 dense layers). A ``pp`` with
-        no split is priced as ``⌈L/pp⌉`` layers beside an end (the planner does not offer it)."""
+        """(dense, routed-expert) parameters of the fullest of ``pp`` pipeline stages
+        (:func:`stage_split`), an upper bound by parts: the dense part of the fullest of the first
+        stage (its layers and the embedding), a middle one and the last (its layers, the LM head
+        with the final norm; with tied embeddings a copy of the embedding, as Megatron has), and
+        the experts of the stage with the most layers, spread evenly over the MoE layers and its
+        layers taken as all MoE where the model has dense ones first (a few percent over, e.g.
+        DeepSeek-V3's 3 dense layers). The whole model's for ``pp`` = 1. A ``pp`` with no split
+        (more stages than layers) is priced as ``⌈L/pp⌉`` layers beside an end."""
         dense, experts, layers, ends = self._stage_parts
         if pp <= 1:
             return dense, experts

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.hardware import Efficiency, RolloutCost
-from flowc.ir.models import ModelSpec
+from flowc.ir.models import ModelSpec, stage_split
 from flowc.ir.plan import Layout, Memory
 from flowc.passes.flops import Demand
 
@@ -118,12 +118,14 @@ def gather_time(nbytes: float, group: int, bw: float, lat: float) -> float:
     return (group - 1) / group * nbytes / bw + (group - 1) * lat
 
 
-def shape_efficiency(tokens_per_micro: float, width: float, hw: Hw | None = None) -> float:
+def shape_efficiency(tokens_per_micro: float | None, width: float, hw: Hw | None = None) -> float:
     """GEMMs on few tokens or narrow shards run below the calibrated rate:
     a saturating factor in the micro-batch tokens and the per-device width
-    (half rate at the profile's ``gemm_half_tokens`` / ``gemm_half_width``)."""
+    (half rate at the profile's ``gemm_half_tokens`` / ``gemm_half_width``);
+    ``tokens_per_micro`` None: the width's factor alone."""
     ht, hw_ = (hw.half_tokens, hw.half_width) if hw is not None else (64.0, 256.0)
-    return (tokens_per_micro / (tokens_per_micro + ht)) * (width / (width + hw_))
+    tokens = 1.0 if tokens_per_micro is None else tokens_per_micro / (tokens_per_micro + ht)
+    return tokens * (width / (width + hw_))
 
 
 # ------------------------------------------------------------------ params
@@ -313,7 +315,7 @@ def activation_gb(m: ModelSpec, lay: Layout, t: float, *, train: bool, logits: b
     """Peak activation GB per device: ``in_flight`` micro-batches of ``t`` tokens when training (1F1B keeps
     up to ``pp`` on the first stage), one layer's working set of one micro-batch otherwise."""
     h = m.hidden_size
-    layers = math.ceil(m.num_layers / lay.pp)
+    layers = max(stage_split(m.num_layers, lay.pp) or (math.ceil(m.num_layers / lay.pp),))  # the fullest stage's
     wide = m.bytes_per_param / 2.0  # the constants are for bf16 activations
     per_layer_full = wide * ACT_BYTES_PER_TOKEN_HIDDEN * t * h / lay.tp
     if train:

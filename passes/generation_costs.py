@@ -53,9 +53,10 @@ def decode_step_device_s(m: ModelSpec, lay: Layout, hw: Hw, active: float, ctx: 
     w_stages = m.bytes_per_param * params_per_device(m, lay, every_stage=True).total  # every stage's shard, in turn
     mem_t = (w_stages + lay.pp * active * ctx * kv_bytes_per_token_device(m, lay)) / (hw.hbm * hw.eff.decode_bw)
     mm = 2.0 * matmul_params(m) / lay.tp
-    # the step's GEMMs run on ``active`` tokens of a width-``hidden/tp`` shard: few tokens or narrow
-    # shards run below the calibrated rate, as every other priced GEMM does (shape_efficiency)
-    eff = hw.eff.matmul * shape_efficiency(active, m.hidden_size / lay.tp, hw)
+    # the step's GEMMs run on width-``hidden/tp`` shards: narrow ones run below the calibrated rate,
+    # as every other priced GEMM does (shape_efficiency's width term; its token term is not taken:
+    # a step of few sequences is bound by reading the weights, which mem_t prices)
+    eff = hw.eff.matmul * shape_efficiency(None, m.hidden_size / lay.tp, hw)
     flops_t = active * (mm + attention_flops_per_token(m, ctx) / lay.tp) / (hw.peak * eff)
     return max(mem_t, flops_t)
 

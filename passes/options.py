@@ -174,7 +174,7 @@ def _budget_spread(front: list[UnitOption], limit: int) -> list[UnitOption]:
         if len(keep) >= limit:
             break
         keep.add(i)
-    return [front[i] for i in sorted(keep)]
+    return [front[i] for i in sorted(keep)[:limit]]
 
 
 class OptionTable:

@@ -116,11 +116,18 @@ def _exp_quantile(theta: float, limit: float, u: float) -> float:
 def _tailed_mean(theta: float, limit: float) -> float:
     """Mean of the default distribution: the exponential of scale ``theta`` capped at ``limit`` (its
     reach) up to the :data:`TAIL_FROM` quantile, then linear from there to ``limit``.
-    ``∫₀ᵁ −θ·ln(1−u) du = θ((1−U)·ln(1−U) + U)``; past ``u_c = 1 − e^(−limit/θ)`` it is ``limit``."""
+    ``∫₀ᵁ −θ·ln(1−u) du = θ((1−U)·ln(1−U) + U)``; past ``u_c = 1 − e^(−limit/θ)`` it is ``limit``.
+    The lengths are at least 1 token: the first ``u₁ = 1 − e^(−1/θ)`` of u, where ``−θ·ln(1−u) < 1``,
+    sit at 1, which adds ``∫₀^u₁ (1 + θ·ln(1−u)) du = 1 − θ·u₁``."""
     top = TAIL_FROM
     u_c = -math.expm1(-limit / theta)  # where the exponential reaches the limit
     u = min(top, u_c)
     body = theta * ((1.0 - u) * math.log1p(-u) + u) + limit * (top - u)
+    u1 = -math.expm1(-1.0 / theta)  # below it the exponential is under one token
+    if u1 < u:
+        body += 1.0 - theta * u1
+    else:  # every length up to ``u`` is one token
+        body = u + limit * (top - u)
     return body + (1.0 - top) * (_exp_quantile(theta, limit, top) + limit) / 2.0
 
 
@@ -171,8 +178,9 @@ def _dist(limit: float, mean: float, percentiles: tuple[float, ...] | None) -> L
     mean = min(max(mean, 1.0), limit)
     if mean >= limit * (1.0 - 1e-6):
         return LengthDist(limit)
-    # the mean rises with θ from the tail's share alone, (1 − TAIL_FROM)·(1 + reach)/2 ≤ mean/2, to the reach
-    reach = min(limit, TAIL_REACH * mean)
+    # the mean rises with θ from TAIL_FROM·1 + (1 − TAIL_FROM)·(1 + reach)/2 (every length below the
+    # tail at one token), which the reach keeps at most the mean, to the reach
+    reach = min(limit, TAIL_REACH * mean, max(1.0, 2.0 * (mean - TAIL_FROM) / (1.0 - TAIL_FROM) - 1.0))
     lo, hi = 1e-9, mean
     while _tailed_mean(hi, reach) < mean:
         hi *= 2.0
@@ -232,11 +240,15 @@ def continuous_batch(dist: LengthDist, n: int, prompt: float, cap_tokens: float,
     cap = cap_tokens / scale
     cap = math.exp(math.floor(math.log(max(cap, 1.0)) / 0.02) * 0.02)
     s = _play(dist, m, float(prompt), max(cap, need), int(block), seqs)
-    if scale == 1.0:
-        return replace(s, peak_tokens=min(s.peak_tokens, cap_tokens))
-    # the representatives' longest is the (m - ½)/m quantile, the batch's the longest of n: the
-    # longest response decodes on alone for the difference (a lower bound on the real tail)
+    # the representatives' longest is the (m - ½)/m quantile, the batch's the longest of n: where that
+    # is longer (always when scaled down; where the tail is steep, e.g. a 1 % tail to the limit, at
+    # any m) the longest response decodes on alone for the difference (a lower bound on the tail)
     extra = max(0.0, dist.expected_max(n) - dist.lengths(m)[-1])
+    if scale == 1.0:
+        s = replace(s, peak_tokens=min(s.peak_tokens, cap_tokens))
+        if extra <= 0.0:
+            return s
+        return replace(s, levels=((extra, 1.0), *s.levels), steps=s.steps + extra, tail_steps=s.tail_steps + extra)
     return Schedule(
         ((extra, 1.0),) * (extra > 0) + tuple((steps, running * scale) for steps, running in s.levels),
         s.steps + extra,

@@ -282,17 +282,23 @@ def test_forward_ops_are_priced_at_the_forward_factor_not_a_bare_gemms():
 
 def test_a_compute_bound_decode_step_pays_the_gemm_shape_factor():
     """On an H20 (148 TFLOP/s) a 7B engine at tp 4 decoding 1024 sequences is compute-bound; its
-    step's GEMMs are 1024 tokens on 896-wide shards: 1024/(1024+64) · 896/(896+256) of the rate."""
+    step's GEMMs run on 896-wide shards: 896/(896+256) of the rate. The token term is not taken (a
+    step of one sequence is bound by reading the weights, which the memory term prices)."""
     from flowc.passes.costs import shape_efficiency
     from flowc.passes.flops import attention_flops_per_token
     from flowc.passes.generation_costs import decode_step_device_s
 
     h20 = Hw.of(ClusterSpec.parse("1x8xH20"))
     lay = Layout(tp=4, backend="vllm")
-    shape = shape_efficiency(1024, Q7.hidden_size / 4, h20)
-    assert shape == pytest.approx(1024 / 1088 * 896 / 1152)
+    shape = shape_efficiency(None, Q7.hidden_size / 4, h20)
+    assert shape == pytest.approx(896 / 1152)
     flops = 1024 * (2 * matmul_params(Q7) / 4 + attention_flops_per_token(Q7, 1500) / 4)
     assert decode_step_device_s(Q7, lay, h20, 1024, 1500) == pytest.approx(flops / (h20.peak * h20.eff.matmul * shape))
+    # one sequence: memory-bound, the weight shard read once
+    from flowc.passes.generation_costs import kv_bytes_per_token_device
+
+    one = (2 * Q7.params_total / 4 + 1500 * kv_bytes_per_token_device(Q7, lay)) / (h20.hbm * h20.eff.decode_bw)
+    assert decode_step_device_s(Q7, lay, h20, 1, 1500) == pytest.approx(one)
 
 
 @settings(max_examples=300, deadline=None)
@@ -312,6 +318,8 @@ def test_a_pipeline_split_gives_every_stage_a_layer_as_megatron_builds_it(layers
         assert set(split) == {layers // pp}
     elif layers - (pp - 2) * k >= 2:
         assert max(split) == k
+    else:  # the middle stages at ⌊L/pp⌋ and the ends the rest (the fullest stage: what memory prices)
+        assert set(split[1:-1]) == {layers // pp} and split[-1] >= layers // pp
 
 
 def test_a_pipeline_that_does_not_divide_the_layers_is_priced_by_its_split():
@@ -331,3 +339,13 @@ def test_a_pipeline_that_does_not_divide_the_layers_is_priced_by_its_split():
     assert stage_skew(Q7, 8, logits=False) == pytest.approx(4 / (28 / 8))  # a middle stage, without the head
     # 61 layers in 12 stages (DeepSeek-V3 as verl runs it): the middle take 5, the first 6
     assert stage_split(61, 12) == (6, *[5] * 10, 5)
+    # 28 layers in 12 stages: 3 a stage in the middle would leave the ends none, so 4, 2 × 10, 4 —
+    # the first stage (pp micro-batches in flight under 1F1B) holds 4 layers' activations, as at pp 7
+    from flowc.passes.costs import activation_gb
+
+    assert stage_split(28, 12) == (4, *[2] * 10, 4)
+    for ckpt in (False, True):
+        kw = dict(train=True, logits=False, in_flight=4.0)
+        at12 = activation_gb(Q7, Layout(pp=12, backend="megatron", activation_checkpointing=ckpt), 4096, **kw)
+        at7 = activation_gb(Q7, Layout(pp=7, backend="megatron", activation_checkpointing=ckpt), 4096, **kw)
+        assert at12 == pytest.approx(at7)

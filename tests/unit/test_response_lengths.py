@@ -55,6 +55,9 @@ def test_the_default_keeps_the_mean_within_the_limit(limit, share):
     mean = max(1.0, share * limit)
     d = LengthDist.of(limit, mean)
     assert d.mean == pytest.approx(min(mean, limit), rel=1e-6, abs=1e-6)
+    # the mean of the quantile function itself (not the closed form the fit inverts), lengths ≥ 1 token
+    k = 20_000
+    assert sum(d.quantile((i + 0.5) / k) for i in range(k)) / k == pytest.approx(min(mean, limit), rel=2e-3)
     xs = [d.quantile(i / 400) for i in range(401)]
     assert all(a <= b + 1e-9 for a, b in itertools.pairwise(xs)) and xs[0] >= 1.0 and xs[-1] <= limit
     assert xs[-1] <= max(TAIL_REACH * mean, limit if d.theta == math.inf else 0.0) + 1e-6
@@ -150,9 +153,12 @@ def test_schedule_properties(limit, mean_share, n, prompt, cap_seqs, block, max_
     d = LengthDist.of(limit, max(1.0, mean_share * limit))
     cap = cap_seqs * (prompt + limit + block)
     s = continuous_batch(d, n, prompt, cap, block, max_seqs)
-    work = sum(d.lengths(n)) if n <= MAX_SIMULATED else None
+    # the longest of the n requests, where longer than the longest representative, decodes on alone
+    lone = max(0.0, d.expected_max(n) - d.lengths(min(n, MAX_SIMULATED))[-1])
+    work = sum(d.lengths(n)) + lone if n <= MAX_SIMULATED else None
     # every generated token is decoded once (a preempted sequence keeps its tokens; only their cache is recomputed)
     tokens = sum(k * r for k, r in s.levels)
+    assert s.steps >= d.expected_max(n) * (1 - 1e-6)  # the batch ends with its longest response
     if work is not None:
         assert tokens == pytest.approx(work, rel=1e-6)
     else:  # n scaled to representatives of the same distribution
