@@ -15,7 +15,6 @@ multi-head latent attention (DeepSeek-V3's MLA) when ``kv_lora_rank`` is set.
 from __future__ import annotations
 
 import json
-import math
 from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
@@ -213,12 +212,11 @@ class ModelSpec(BaseModel):
         with the final norm; with tied embeddings a copy of the embedding, as Megatron has), and
         the experts of the stage with the most layers, spread evenly over the MoE layers and its
         layers taken as all MoE where the model has dense ones first (a few percent over, e.g.
-        DeepSeek-V3's 3 dense layers). The whole model's for ``pp`` = 1. A ``pp`` with no split
-        (more stages than layers) is priced as ``⌈L/pp⌉`` layers beside an end."""
+        DeepSeek-V3's 3 dense layers). The whole model's for ``pp`` = 1."""
         dense, experts, layers, ends = self._stage_parts
         if pp <= 1:
             return dense, experts
-        split = stage_split(self.num_layers, pp) or (math.ceil(self.num_layers / pp),) * pp
+        split = self.stages(pp)
         per = layers / self.num_layers
         # the first stage holds the embedding, the last the head with the final norm
         first, last = split[0] * per + self.vocab_size * self.hidden_size, split[-1] * per + ends
@@ -226,6 +224,17 @@ class ModelSpec(BaseModel):
         k = max(split)
         moe = min(k, self.moe_layers) / self.moe_layers if self.moe_layers else 0.0
         return max(first, middle, last), experts * moe
+
+    def stages(self, pp: int) -> tuple[int, ...]:
+        """Layers of each of ``pp`` pipeline stages (:func:`stage_split`, what the runtime builds);
+        more stages than layers is an error."""
+        split = stage_split(self.num_layers, pp)
+        if split is None:
+            raise SpecError(
+                f"pp={pp} is more pipeline stages than {self.name}'s {self.num_layers} layers",
+                fix=f"pin a pipeline depth of at most {self.num_layers}",
+            )
+        return split
 
     @cached_property
     def _stage_parts(self) -> tuple[float, float, float, float]:

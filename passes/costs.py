@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from flowc.ir.cluster import ClusterSpec
 from flowc.ir.hardware import Efficiency, RolloutCost
-from flowc.ir.models import ModelSpec, stage_split
+from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout, Memory
 from flowc.passes.flops import Demand
 
@@ -315,7 +315,7 @@ def activation_gb(m: ModelSpec, lay: Layout, t: float, *, train: bool, logits: b
     """Peak activation GB per device: ``in_flight`` micro-batches of ``t`` tokens when training (1F1B keeps
     up to ``pp`` on the first stage), one layer's working set of one micro-batch otherwise."""
     h = m.hidden_size
-    layers = max(stage_split(m.num_layers, lay.pp) or (math.ceil(m.num_layers / lay.pp),))  # the fullest stage's
+    layers = max(m.stages(lay.pp))  # the fullest stage's
     wide = m.bytes_per_param / 2.0  # the constants are for bf16 activations
     per_layer_full = wide * ACT_BYTES_PER_TOKEN_HIDDEN * t * h / lay.tp
     if train:

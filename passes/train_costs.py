@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from flowc.ir.models import ModelSpec, stage_split
+from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.passes.costs import (
     CPU_ADAM_PARAMS_PER_S,
@@ -80,7 +80,7 @@ def stage_skew(m: ModelSpec, pp: int, *, logits: bool, seq_len: float = 0.0) -> 
     head = 2.0 * m.vocab_size * m.hidden_size if logits else 0.0
     body = 2.0 * max(matmul_params(m) - m.vocab_size * m.hidden_size, 0.0)  # the layers' matmuls
     body += attention_flops_per_token(m, seq_len / 2.0)
-    split = stage_split(m.num_layers, pp) or (math.ceil(m.num_layers / pp),) * pp
+    split = m.stages(pp)
     per = body / m.num_layers
     slowest = max(max(split[:-1]) * per, split[-1] * per + head)
     return max(slowest / ((body + head) / pp), 1.0)

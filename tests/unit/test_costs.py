@@ -349,3 +349,11 @@ def test_a_pipeline_that_does_not_divide_the_layers_is_priced_by_its_split():
         at12 = activation_gb(Q7, Layout(pp=12, backend="megatron", activation_checkpointing=ckpt), 4096, **kw)
         at7 = activation_gb(Q7, Layout(pp=7, backend="megatron", activation_checkpointing=ckpt), 4096, **kw)
         assert at12 == pytest.approx(at7)
+
+
+def test_more_pipeline_stages_than_layers_is_an_error_not_a_price():
+    from flowc.errors import SpecError
+
+    tiny = ModelSpec.resolve("flowc-tiny")
+    with pytest.raises(SpecError, match=rf"pp=3 is more pipeline stages than .*'s {tiny.num_layers} layers"):
+        tiny.largest_stage(3)
