@@ -55,7 +55,8 @@ class LengthDist:
             (beyond it they run linearly up to ``reach``; ``inf``: every response at the limit);
             used when ``knots`` is empty.
         reach: the longest response of the ``theta`` form: the limit, or :data:`TAIL_REACH`
-            means when the limit is further.
+            means when the limit is further (less for a mean within a token or so of 1, which
+            a tail that long would exceed).
         knots: ``(u, length)`` points of a piecewise-linear quantile function (u from 0 to 1),
             from measured percentiles.
     """
