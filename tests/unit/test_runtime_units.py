@@ -166,9 +166,12 @@ def test_a_trained_roles_forward_phase_must_run_on_its_training_engine():
 def test_the_runtime_plans_never_sleep_colocated_state_and_fsdp2_offloads_all_or_nothing():
     """Within the runtime's pins the planner does not offer what the runtime does not execute."""
     g, plan, _ = planned("grpo", "1x8xH100", model="qwen2.5-72b")
-    c, m = ClusterSpec.parse("1x8xH100"), ModelSpec.resolve("qwen2.5-72b")
-    free, _, _ = make_plan(g, {"actor": m, "ref": m}, c, WorkloadSpec(prompts=64), Pins(), target=plan.target)
-    assert free.phase("actor", "generate").sleeps_colocated  # unrestricted, the planner swaps the 72B state out
+    c, m = ClusterSpec.parse("1x8xH100"), ModelSpec.resolve("qwen2.5-14b")
+    w = WorkloadSpec.parse("prompts=256,response_len=4096")  # a KV cache that wants the whole device
+    free, _, _ = make_plan(g, {"actor": m, "ref": m}, c, w, Pins(), target=plan.target)
+    assert free.phase("actor", "generate").sleeps_colocated  # unrestricted, the planner swaps the training state out
+    within, _, _ = make_plan(g, {"actor": m, "ref": m}, c, w, runtime_pins("gpu"), target=plan.target)
+    assert not within.phase("actor", "generate").sleeps_colocated
     for flow, model in (("grpo", "qwen2.5-72b"), ("ppo", "qwen2.5-32b")):
         _, plan, _ = planned(flow, "1x8xH100", model=model)
         for rp in plan.roles.values():
