@@ -8,9 +8,10 @@ from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Alternative, Layout, PhasePlan
 from flowc.passes.costs import PhaseCost
 from flowc.passes.flops import Demand
+from flowc.passes.fronts import UnitOption
 from flowc.passes.generation_costs import generate_cost
 from flowc.passes.manager import PlanContext
-from flowc.passes.options import OptionTable, UnitOption
+from flowc.passes.options import OptionTable
 from flowc.passes.pools import GenChoice
 from flowc.passes.search import Candidate, SearchResult
 from flowc.passes.units import generation_rounds

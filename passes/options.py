@@ -10,7 +10,6 @@ too, to say why the planner did not take it.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,41 +20,24 @@ from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.ir.workload import WorkloadSpec
 from flowc.passes.costs import GB, Hw, PhaseCost, params_per_device, replica_sequences, train_state_gb
+from flowc.passes.degrees import (
+    LAYOUT_DEFAULTS,
+    powers_dividing,
+    pp_choices,
+    tp_choices,
+    tp_refusal,
+    unchecked_layout,
+    unchecked_with,
+)
 from flowc.passes.flops import Demand
+from flowc.passes.fronts import UnitOption, UnitOptions, pareto
 from flowc.passes.generation_costs import generation_weights_gb, takes_device_share
 from flowc.passes.pins import PhasePin, Pins
 from flowc.passes.train_costs import forward_cost, train_cost
 from flowc.passes.units import Unit
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-FRONT_LIMIT = 8
 MICRO_FIELDS = ("micro_batch", "micro_tokens")  # what grows a layout's memory along one chain
-
-
-@dataclass(frozen=True)
-class UnitOption:
-    """One way to run a unit on ``devices`` devices."""
-
-    unit: str
-    devices: int
-    layouts: dict[str, Layout]  # phase → layout
-    op_costs: dict[str, PhaseCost]  # node id → cost
-    resident_gb: float
-    transient_gb: float  # peak over the unit's phases, on top of the resident state
-    time: float
-    fits_alone: bool = True
-    need_gb: float = 0.0
-    host_gb: float = 0.0  # state offloaded to host memory, per device
-
-    @property
-    def op_times(self) -> dict[str, float]:
-        return {k: v.time for k, v in self.op_costs.items()}
-
-
-@dataclass
-class UnitOptions:
-    front: list[UnitOption]
-    oom: UnitOption | None = None  # when nothing fits: the nearest miss
 
 
 @dataclass
@@ -68,113 +50,6 @@ class _Scan:
         default_factory=list
     )  # (chain, index of its first miss, its price)
     hopeless: list[tuple[float, list[Layout]]] = field(default_factory=list)  # (resident state, chain), ascending
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def tp_choices(m: ModelSpec, d: int, hw: Hw, *, across_nodes: bool = False) -> list[int]:
-    """Tensor-parallel degrees for ``m`` on ``d`` devices: within a node, or (``across_nodes``, for
-    generation engines too large for one node's tp group) whole nodes' worth over several nodes."""
-    out = []
-    limit = d if across_nodes else min(d, hw.node)
-    for tp in divisors(limit):
-        if tp_refusal(m, d, tp, hw, across_nodes=across_nodes) is None:
-            out.append(tp)
-    return out
-
-
-def tp_refusal(m: ModelSpec, d: int, tp: int, hw: Hw, *, across_nodes: bool = False) -> str | None:
-    """Why ``tp`` cannot split ``m`` on ``d`` devices (None: it can)."""
-    if d % tp:
-        return f"tp={tp} does not divide the {d} devices"
-    if tp > hw.node and not across_nodes:
-        return f"tp={tp} spans more than a node ({hw.node} devices); only generation engines cross nodes"
-    if tp > hw.node and tp % hw.node:
-        return f"tp={tp} over nodes must be a whole number of nodes ({hw.node} devices each)"
-    if m.num_heads % tp:
-        return f"tp={tp} does not divide {m.name}'s {m.num_heads} attention heads"
-    if m.num_kv_heads % tp and tp % m.num_kv_heads:
-        return f"tp={tp} neither divides nor is a multiple of {m.name}'s {m.num_kv_heads} KV heads"
-    return None
-
-
-_DEFAULTS = {k: f.default for k, f in Layout.model_fields.items()}
-_FIELDS = frozenset(_DEFAULTS)
-
-
-def _layout(**kw) -> Layout:
-    """A Layout built without validation (the enumerator only makes valid ones). The search
-    builds hundreds of thousands at cluster scale: this sets the instance's state as pydantic's
-    ``model_construct`` would with every field given, at a fraction of its cost (checked equal by
-    tests/unit/test_planner_speed.py)."""
-    lay = object.__new__(Layout)
-    object.__setattr__(lay, "__dict__", {**_DEFAULTS, **kw})
-    object.__setattr__(lay, "__pydantic_fields_set__", set(_FIELDS))
-    object.__setattr__(lay, "__pydantic_extra__", None)
-    object.__setattr__(lay, "__pydantic_private__", None)
-    return lay
-
-
-def _with(lay: Layout, **kw) -> Layout:
-    """``lay.model_copy(update=kw)`` for the enumerator's unvalidated layouts."""
-    return _layout(**{**lay.__dict__, **kw})
-
-
-PP_LIMIT = 16  # deeper pipelines pay per-stage overheads the model does not price
-
-
-def pp_choices(n: int, layers: int) -> list[int]:
-    """Pipeline depths: divisors of ``n`` up to PP_LIMIT with at least 2 layers a stage, split as
-    the runtime splits them (:func:`~flowc.ir.models.stage_split`: uneven ends where ``pp`` does
-    not divide the layers)."""
-    return [k for k in divisors(n) if k <= PP_LIMIT and (k == 1 or layers // k >= 2)]
-
-
-def _powers_dividing(n: int, limit: int) -> list[int]:
-    out, k = [], 1
-    while k <= min(n, limit):
-        if n % k == 0:
-            out.append(k)
-        k *= 2
-    return out
-
-
-def pareto(options: list[UnitOption], limit: int = FRONT_LIMIT) -> list[UnitOption]:
-    """Options not beaten on all of (time, resident, transient), fastest first; at most ``limit``
-    of them (:func:`_budget_spread` chooses which)."""
-    ordered = sorted(options, key=lambda o: (o.time, o.resident_gb, o.transient_gb))
-    front: list[UnitOption] = []
-    for o in ordered:
-        if all(o.resident_gb < f.resident_gb - 1e-9 or o.transient_gb < f.transient_gb - 1e-9 for f in front):
-            front.append(o)
-    if len(front) > limit:
-        front = _budget_spread(front, limit)
-    return front
-
-
-def _budget_spread(front: list[UnitOption], limit: int) -> list[UnitOption]:
-    """``limit`` options of a front (fastest first) for the search to combine: the fastest, the
-    leanest in resident and in transient memory, then, in turn, the fastest option within a
-    memory budget (budgets spread evenly, geometrically, from the leanest total to the
-    fastest's: what a pool that shares its devices can afford is a memory budget) and an option
-    of an even spread along the front (the trade-offs between resident and transient memory
-    that one total does not see)."""
-    n = len(front)
-    total = [o.resident_gb + o.transient_gb for o in front]
-    keep = {0, min(range(n), key=lambda i: (front[i].resident_gb, front[i].time))}
-    keep.add(min(range(n), key=lambda i: (front[i].transient_gb, front[i].time)))
-    lo, hi = max(min(total), 1e-9), max(total[0], min(total), 1e-9)
-    levels = max((limit - len(keep) + 1) // 2, 1)
-    budgets = [lo * (hi / lo) ** (j / (levels + 1)) for j in range(1, levels + 1)]
-    by_budget = [next(i for i, t in enumerate(total) if t <= b * (1 + 1e-9)) for b in budgets]
-    spread = [round(i * (n - 1) / (limit - 1)) for i in range(1, limit - 1)]
-    for i in (x for pair in itertools.zip_longest(by_budget, spread) for x in pair if x is not None):
-        if len(keep) >= limit:
-            break
-        keep.add(i)
-    return [front[i] for i in sorted(keep)[:limit]]
 
 
 class OptionTable:
@@ -231,10 +106,10 @@ class OptionTable:
                     out.append(dict(dp=rest, tp=tp, backend="fsdp2", fsdp=False, activation_checkpointing=ckpt, micro_batch=mb))
                     # Megatron-core: tp, pp, cp, ep with the distributed optimizer
                     for pp in pp_choices(rest, m.num_layers) if gpu else ():
-                        for cp in _powers_dividing(rest // pp, 8 if long_ctx else 2):  # the cost decides
+                        for cp in powers_dividing(rest // pp, 8 if long_ctx else 2):  # the cost decides
                             dp = rest // pp // cp
                             # experts spread over tp·dp·cp ranks (expert tensor parallelism 1, as Megatron's MoE recipes)
-                            eps = [e for e in _powers_dividing(tp * dp * cp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
+                            eps = [e for e in powers_dividing(tp * dp * cp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
                             for ep in eps:
                                 for off_o in (False, True):
                                     out.append(
@@ -281,7 +156,7 @@ class OptionTable:
         fixed = self.workload.train_micro_batch if u.trainable else self.workload.forward_micro_batch
         useful: dict[tuple[int, int], bool] = {}
         for raw in layouts:
-            lay = {**_DEFAULTS, **raw}
+            lay = {**LAYOUT_DEFAULTS, **raw}
             fsdp2, cp = lay["backend"] == "fsdp2", lay["cp"]
             packs = fsdp2 and pack is not False
             # packed lines compute a shared prompt in the same pass, recomputation or not (the KV-cache sharing cannot)
@@ -304,7 +179,7 @@ class OptionTable:
             lay.update(
                 share_prompts=can if share is None else share and can, pack_sequences=packs, micro_batch=mb, micro_tokens=budget
             )
-            out.append(_layout(**lay))
+            out.append(unchecked_layout(**lay))
         return list(dict.fromkeys(out))  # a pinned budget maps every micro-batch to the same layout
 
     def _forward_layouts(self, u: Unit, m: ModelSpec, d: int) -> list[Layout]:
@@ -319,9 +194,9 @@ class OptionTable:
                     out.append(dict(dp=rest, tp=tp, backend="fsdp2", fsdp=True, offload_params=off, micro_batch=mb))
                 out.append(dict(dp=rest, tp=tp, backend="fsdp2", fsdp=False, micro_batch=mb))  # replicated weights
                 for pp in pp_choices(rest, m.num_layers) if gpu else ():
-                    for cp in _powers_dividing(rest // pp, 8 if long_ctx else 2):
+                    for cp in powers_dividing(rest // pp, 8 if long_ctx else 2):
                         dp = rest // pp // cp
-                        eps = [e for e in _powers_dividing(tp * dp * cp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
+                        eps = [e for e in powers_dividing(tp * dp * cp, 64) if m.num_experts % e == 0] if m.is_moe else [1]
                         for ep in eps:
                             for off in (False, True):  # offload: weights swapped in for the op, host memory between ops
                                 out.append(
@@ -361,7 +236,7 @@ class OptionTable:
             return f"pp={pp} is more stages than {m.name}'s {m.num_layers} layers"
         if pin.ep not in (None, 1) and (not m.is_moe or pin.ep != tp):
             return f"ep={pin.ep}: a generation engine splits experts over its tp ranks (ep = tp) or not at all (ep = 1)"
-        lay = _layout(dp=max(d // (tp * pp), 1), tp=tp, pp=pp, ep=pin.ep or 1, backend=backend)
+        lay = unchecked_layout(dp=max(d // (tp * pp), 1), tp=tp, pp=pp, ep=pin.ep or 1, backend=backend)
         need = generation_weights_gb(m, lay)
         if need >= self.capacity_gb:
             return f"its weight shard needs {need:.1f} GB per device, of {self.capacity_gb:.1f} GB"
@@ -387,15 +262,15 @@ class OptionTable:
                 continue  # a pinned share of the device, for an engine that takes none (generation_refusal says so)
             # within a node first; over nodes only for models whose weights need more than a node's tp group
             tps = [1] if agent and pin.tp is None else tp_choices(m, d, self.hw)
-            widest = generation_weights_gb(m, _layout(tp=max(tps or [1]), backend=backend))
+            widest = generation_weights_gb(m, unchecked_layout(tp=max(tps or [1]), backend=backend))
             if not agent and (pin.tp is not None or widest > 0.5 * self.capacity_gb):
                 tps = tp_choices(m, d, self.hw, across_nodes=True)
             for tp in tps:
-                for pp in [1] if agent and pin.pp is None else _powers_dividing(d // tp, 16):
+                for pp in [1] if agent and pin.pp is None else powers_dividing(d // tp, 16):
                     eps = [1, tp] if (m.is_moe and tp > 1) else [1]
                     for ep in eps:
-                        lay = _layout(dp=d // tp // pp, tp=tp, pp=pp, ep=ep, backend=backend)
-                        if pp > 1 and generation_weights_gb(m, _with(lay, pp=1)) < 0.5 * self.capacity_gb:
+                        lay = unchecked_layout(dp=d // tp // pp, tp=tp, pp=pp, ep=ep, backend=backend)
+                        if pp > 1 and generation_weights_gb(m, unchecked_with(lay, pp=1)) < 0.5 * self.capacity_gb:
                             continue  # pipeline generation only for models too large for one tp group
                         if generation_weights_gb(m, lay) < self.capacity_gb and self.pins.allows(u.role, "generate", lay):
                             out.append(lay)
@@ -446,7 +321,7 @@ class OptionTable:
         # once a layout misses the device at micro-batch m it misses at every larger one: price the
         # micro-batches in ascending order and stop a layout at its first miss.
         chains: dict[tuple, list[Layout]] = {}
-        rest = [k for k in _DEFAULTS if k not in MICRO_FIELDS]
+        rest = [k for k in LAYOUT_DEFAULTS if k not in MICRO_FIELDS]
         for lay in sorted(layouts, key=lambda lay: lay.micro_batch):
             f = lay.__dict__
             chains.setdefault(tuple([f[k] for k in rest]), []).append(lay)
@@ -545,7 +420,7 @@ class OptionTable:
         (same time, more memory)."""
         if micro_batch == 1:
             return True
-        replica = _layout(dp=dp)
+        replica = unchecked_layout(dp=dp)
         most = max(
             replica_sequences(self.demand[op], replica, train=kind == "update") for op, kind in zip(u.ops, u.kinds, strict=True)
         )
@@ -602,5 +477,5 @@ def _sharing(lay: Layout, costs: dict[str, PhaseCost], pin: PhasePin) -> Layout:
     padding (the runtime packs only those that have), and responses that end before the limit
     leave padding whether or not the workload says how long they are."""
     if lay.share_prompts and not pin.share_prompts and not any(c.detail.get("shared_prompts", 0.0) > 0 for c in costs.values()):
-        return _with(lay, share_prompts=False)
+        return unchecked_with(lay, share_prompts=False)
     return lay

@@ -23,8 +23,10 @@ import numpy as np
 from flowc.ir.models import ModelSpec
 from flowc.ir.plan import Layout
 from flowc.passes.costs import GB, PhaseCost
+from flowc.passes.degrees import tp_refusal
+from flowc.passes.fronts import UnitOption
 from flowc.passes.generation_costs import generate_cost, generation_weights_gb, takes_device_share
-from flowc.passes.options import OptionTable, UnitOption, tp_refusal
+from flowc.passes.options import OptionTable
 from flowc.passes.reshard import ReshardCost, sync_cost
 
 MAX_COMBOS_KEPT = 12

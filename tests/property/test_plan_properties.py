@@ -24,9 +24,11 @@ from flowc.ir.verify import verify
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
 from flowc.passes.costs import Hw
+from flowc.passes.degrees import divisors
 from flowc.passes.flops import Demand
+from flowc.passes.fronts import FRONT_LIMIT, UnitOption, pareto
 from flowc.passes.generation_costs import generation_weights_gb
-from flowc.passes.options import FRONT_LIMIT, OptionTable, UnitOption, divisors, pareto
+from flowc.passes.options import OptionTable
 from flowc.passes.pins import Pins
 from flowc.passes.pipeline import make_plan
 from flowc.passes.reshard import _cut, deliveries, gen_shards, part_bytes

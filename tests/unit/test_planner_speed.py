@@ -17,7 +17,8 @@ from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
 from flowc.passes import pools
 from flowc.passes.costs import Hw
-from flowc.passes.options import OptionTable, _layout
+from flowc.passes.degrees import unchecked_layout
+from flowc.passes.options import OptionTable
 from flowc.passes.pins import Pins
 from flowc.passes.pools import PoolTable
 from flowc.passes.units import demands, units_of
@@ -42,7 +43,7 @@ def test_unvalidated_layouts_equal_validated_ones():
         assert lay == valid and hash(lay) == hash(valid)
         assert lay.model_dump() == valid.model_dump() and lay.model_fields_set == valid.model_fields_set
         assert lay.model_copy(update={"dp": 2}).dp == 2
-    assert _layout(tp=2) == Layout(tp=2)
+    assert unchecked_layout(tp=2) == Layout(tp=2)
 
 
 def test_layouts_whose_state_misses_the_device_are_not_priced():
