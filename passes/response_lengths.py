@@ -24,7 +24,7 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from flowc.ir.workload import PERCENTILE_SHARES, percentiles_mean
@@ -245,11 +245,6 @@ def continuous_batch(dist: LengthDist, n: int, prompt: float, cap_tokens: float,
     # is longer (always when scaled down; where the tail is steep, e.g. a 1 % tail to the limit, at
     # any m) the longest response decodes on alone for the difference (a lower bound on the tail)
     extra = max(0.0, dist.expected_max(n) - dist.lengths(m)[-1])
-    if scale == 1.0:
-        s = replace(s, peak_tokens=min(s.peak_tokens, cap_tokens))
-        if extra <= 0.0:
-            return s
-        return replace(s, levels=((extra, 1.0), *s.levels), steps=s.steps + extra, tail_steps=s.tail_steps + extra)
     return Schedule(
         ((extra, 1.0),) * (extra > 0) + tuple((steps, running * scale) for steps, running in s.levels),
         s.steps + extra,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from flowc.errors import SpecError
-from flowc.ir.models import ModelSpec, stage_split
+from flowc.ir.models import ModelSpec
 from flowc.runtime.megatron_weights import Degrees, padded_vocab
 
 
@@ -53,7 +53,7 @@ def transformer_config(hf: Any, arch: ModelSpec, d: Degrees, *, dtype: torch.dty
         dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
     )
     # a pipeline whose depth does not divide the layers: the split the planner priced (stage_split)
-    split = stage_split(arch.num_layers, d.pp) or ()
+    split = arch.stages(d.pp)
     uneven: dict[str, Any] = {}
     if d.pp > 1 and len(set(split)) > 1:
         uneven = dict(num_layers_in_first_pipeline_stage=split[0], num_layers_in_last_pipeline_stage=split[-1])

@@ -101,9 +101,7 @@ def check_degrees(arch: ModelSpec, d: Degrees) -> None:
 def stage_layers(arch: ModelSpec, d: Degrees) -> range:
     """The model's layers that pipeline stage ``d.pp_rank`` holds (:func:`stage_split`: the
     split Megatron builds, uneven at the ends where ``pp`` does not divide the layers)."""
-    split = stage_split(arch.num_layers, d.pp)
-    if split is None:
-        raise SpecError(f"pp={d.pp} is more pipeline stages than the {arch.num_layers} layers")
+    split = arch.stages(d.pp)
     start = sum(split[: d.pp_rank])
     return range(start, start + split[d.pp_rank])
 
