@@ -20,7 +20,7 @@ import jinja2
 from flowc.errors import FlowcError
 from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Plan
-from flowc.ir.steady_state import pipelined_spans
+from flowc.ir.steady_state import drawn_period, pipelined_spans
 from flowc.ir.targets import short_name
 from flowc.ir.text import COMPUTE_COLOR, INPUT_COLOR, text_color
 
@@ -172,7 +172,7 @@ def _placement_svg(plan: Plan, g: FlowGraph) -> str:
     two consecutive steps (:func:`pipelined_spans`), each bar tagged with its step."""
     windows = 2 if plan.staleness else 1
     spans = pipelined_spans(plan, windows)
-    step = max(plan.predicted.step_time_s * windows, 1e-9)
+    step = max(drawn_period(plan) * windows, 1e-9)
     width, left, top, band_min = 900, 190, 20, 26
     total_dev = sum(p.device_count for p in plan.pools)
     heights = [max(band_min, 220 * p.device_count / total_dev) for p in plan.pools]

@@ -7,13 +7,17 @@ what a run measured: the median of its last :data:`LAST_STEPS` steps' ``response
 (the lengths drift as a policy trains; the last steps are what a continuation sees), and the
 distribution's shape from the same steps' ``min``, ``p50``, ``p90``, ``p99`` and ``max`` (each
 the median over those steps, made ascending) as ``response_percentiles``: generation is priced
-over it, its long tail included. The run must have sampled under the same response limit, or its
-lengths say nothing about this one.
+over it, its long tail included; and how much the steps' means varied from one step to the next
+as ``mean_response_cv`` (from successive differences, so that a drift over the steps is not
+counted as variation), which a pipelined loop's period prices. The run must have sampled under
+the same response limit, or its lengths say nothing about this one.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import NamedTuple
@@ -34,6 +38,7 @@ class Measured(NamedTuple):
     percentiles: tuple[float, ...] | None  # min/p50/p90/p99/max (each a median over those steps), when recorded
     limit: int  # the response limit they were sampled under
     note: str  # what the planner says about where they came from
+    cv: float | None = None  # how much the steps' means vary, over the mean (at least 3 steps)
 
 
 def measured(run_dir: Path) -> Measured:
@@ -69,8 +74,22 @@ def measured(run_dir: Path) -> Measured:
     else:
         p90 = [float(r["response_length/p90"]) for r in last if "response_length/p90" in r]
         shape = f", p90 {statistics.median(p90):.0f}" if p90 else ""
-    note = f"mean_response_len={mean:.1f}: measured by {run_dir} (median of {steps}{shape}; limit {limit})"
-    return Measured(mean, pct, limit, note)
+    cv = step_cv([float(r["response_length/mean"]) for r in last])
+    varies = f", step means ±{cv:.1%}" if cv is not None else ""
+    note = f"mean_response_len={mean:.1f}: measured by {run_dir} (median of {steps}{shape}{varies}; limit {limit})"
+    return Measured(mean, pct, limit, note, cv)
+
+
+def step_cv(means: list[float]) -> float | None:
+    """How much consecutive steps' means differ, as a share of their mean: the von Neumann
+    estimate ``√(Σ(xᵢ₊₁ − xᵢ)² / 2(n − 1))`` of the standard deviation, which a steady drift of
+    the lengths (a policy learning to answer longer) barely moves; at most 1. None for fewer
+    than 3 steps."""
+    if len(means) < 3:
+        return None
+    sd = math.sqrt(sum((b - a) ** 2 for a, b in itertools.pairwise(means)) / (2 * (len(means) - 1)))
+    avg = statistics.fmean(means)
+    return min(sd / avg, 1.0) if avg > 0 else None
 
 
 def _percentiles(rows: list[dict], limit: float) -> tuple[float, ...] | None:
@@ -111,7 +130,9 @@ def expand(text: str | None) -> tuple[str | None, list[str]]:
     kept.append(f"mean_response_len={got.mean:.6g}")
     if got.percentiles is not None:
         kept.append("response_percentiles=" + "/".join(f"{x:g}" for x in got.percentiles))
+    if got.cv is not None and "mean_response_cv" not in given:
+        kept.append(f"mean_response_cv={got.cv:.3g}")
     return ",".join(kept), [got.note]
 
 
-__all__ = ["LAST_STEPS", "SHAPE", "Measured", "expand", "measured"]
+__all__ = ["LAST_STEPS", "SHAPE", "Measured", "expand", "measured", "step_cv"]

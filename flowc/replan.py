@@ -49,11 +49,15 @@ def planned_length(wl: WorkloadSpec) -> float:
     return float(wl.mean_response_len or wl.response_len)
 
 
-def at_length(wl: WorkloadSpec, mean: float) -> WorkloadSpec:
-    """``wl`` with mean response length ``mean`` (at least 1, at most the response limit); the
-    percentiles of the old distribution are dropped (they no longer describe it)."""
+def at_length(wl: WorkloadSpec, mean: float, cv: float | None = None) -> WorkloadSpec:
+    """``wl`` with mean response length ``mean`` (at least 1, at most the response limit) and, when
+    given, the steps' measured variation ``cv`` (``mean_response_cv``); the percentiles of the old
+    distribution are dropped (they no longer describe it)."""
     mean = min(max(mean, 1.0), float(wl.response_len))
-    return wl.model_copy(update={"mean_response_len": mean, "response_percentiles": None})
+    update: dict[str, Any] = {"mean_response_len": mean, "response_percentiles": None}
+    if cv is not None:
+        update["mean_response_cv"] = cv
+    return wl.model_copy(update=update)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Replan:
     switched: bool  # the run changes its staleness in place
     best: Plan  # the best plan over every placement at the measured length
     best_path: Path | None = None  # where it was written (when worth a restart)
+    measured_cv: float | None = None  # how much the measured steps' means varied (mean_response_cv), when measured
 
     @property
     def best_gain(self) -> float:
@@ -84,6 +89,7 @@ class Replan:
             "step": self.step,
             "replan/planned_response_len": round(self.planned_len, 3),
             "replan/measured_response_len": round(self.measured_len, 3),
+            **({"replan/measured_response_cv": round(self.measured_cv, 4)} if self.measured_cv is not None else {}),
             "replan/predicted_step_s": round(self.current_s, 6),
             "replan/staleness_from": self.staleness_from,
             "replan/staleness_to": self.staleness_to,
@@ -133,17 +139,19 @@ def replan(
     may_switch: bool,
     best_plan: Any,
     out_dir: Path | None = None,
+    cv: float | None = None,
 ) -> Replan:
     """Plan ``plan``'s flow again at the measured mean response length ``measured`` (the caller
     decided it drifted), ``models`` priced as the run prices them (dtype, LoRA:
     ``flowc.compile.role_specs``). ``best_plan(workload) -> Plan`` plans every placement as the run
     was planned (its pins, cluster, rollout backend); ``may_switch``: the run's staleness is the
     planner's to choose, so the staleness the planner would now choose on this placement is
-    switched to (a larger one only when more than the tolerance faster, as ``auto`` chooses)."""
+    switched to (a larger one only when more than the tolerance faster, as ``auto`` chooses); ``cv``:
+    how much the measured steps' means varied (what a larger staleness absorbs), when measured."""
     from flowc.passes.pins import Pins, pins_from_plan
     from flowc.passes.pipeline import AUTO_TOLERANCE, make_plan, smallest_within, staleness_choices
 
-    wl = at_length(WorkloadSpec.model_validate(plan.workload), measured)
+    wl = at_length(WorkloadSpec.model_validate(plan.workload), measured, cv)
     cluster = plan.cluster_spec()
     fixed = pins_from_plan(plan)
 
@@ -170,6 +178,7 @@ def replan(
         staleness_to=chosen if switch else plan.staleness,
         switched=switch,
         best=best,
+        measured_cv=cv,
     )
     differs = _placement(best) != _placement(plan)
     if differs and r.best_gain > 1 + REPLACE_GAIN and out_dir is not None:
@@ -186,6 +195,7 @@ def maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: in
     switch the staleness in place when the planner chooses it; returns the plan as it now stands.
     A re-plan advises: when it fails, the run says why and goes on with its plan."""
     from flowc.compile import compile_plan, lora_roles, role_specs
+    from flowc.lengths import step_cv
     from flowc.passes.pins import parse_pins
 
     cfg = p.run.config
@@ -195,7 +205,8 @@ def maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: in
     if raw is None:
         return current
     measured = min(max(raw, 1.0), float(wl.response_len))  # what the plan can price: 1 … response_len tokens
-    moved = at_length(wl, measured)
+    cv = step_cv([float(r["response_length/mean"]) for r in rows if isinstance(r.get("response_length/mean"), (int, float))])
+    moved = at_length(wl, measured, cv)
     if abs(measured / planned_length(wl) - 1.0) <= cfg.replan_drift:
         return current
     try:
@@ -219,7 +230,7 @@ def maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: in
                 here=p.address is None,
             )
 
-        r = replan(step, current, g, models, measured, may_switch=may_switch, best_plan=best_plan, out_dir=p.run.out_dir)
+        r = replan(step, current, g, models, measured, may_switch=may_switch, best_plan=best_plan, out_dir=p.run.out_dir, cv=cv)
     except Exception as e:  # advisory: nothing it raises stops the run (Ctrl-C is not an Exception)
         what = e.what if isinstance(e, FlowcError) else f"{type(e).__name__}: {e}"
         log.write({"event": "replan", "step": step, "replan/measured_response_len": round(measured, 3), "replan/error": what})

@@ -261,8 +261,10 @@ class ScheduleEntry(BaseModel):
 
 class Predicted(BaseModel):
     """The step as the cost model predicts it. With staleness ≥ 1, ``step_time_s`` is the pipelined
-    loop's steady-state period and ``iteration_s`` one iteration's span (the lock-step step on the
-    same placement)."""
+    loop's mean period over the step-to-step variation of generation time, ``steady_step_s`` the
+    period at the mean lengths (where the drawn steady-state step ends; the difference is what the
+    variation costs the loop at this staleness) and ``iteration_s`` one iteration's span (the
+    lock-step step on the same placement)."""
 
     model_config = _FROZEN
     step_time_s: float
@@ -271,6 +273,7 @@ class Predicted(BaseModel):
     tokens_per_step: float
     mfu: float
     iteration_s: float | None = None
+    steady_step_s: float | None = None
 
 
 class Alternative(BaseModel):

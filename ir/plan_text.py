@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flowc.ir.plan import Plan
-from flowc.ir.steady_state import pipelined_spans
+from flowc.ir.steady_state import drawn_period, pipelined_spans
 
 
 def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
@@ -43,6 +43,8 @@ def _lengths(w: dict) -> str:
     parts = [f"mean {w['mean_response_len']}"] if w.get("mean_response_len") else []
     if w.get("response_percentiles"):
         parts.append("min/p50/p90/p99/max " + "/".join(f"{x:g}" for x in w["response_percentiles"]))
+    if w.get("mean_response_cv"):
+        parts.append(f"step means ±{w['mean_response_cv'] * 100:.0f} %")
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -65,6 +67,11 @@ def _header(plan: Plan) -> list[str]:
         *(
             [
                 f"  pipelined: staleness {plan.staleness} (rollouts up to {plan.staleness} weight version(s) behind); one iteration {p.iteration_s:.2f} s"
+                + (
+                    f"; {p.steady_step_s:.2f} s a step at the mean lengths, +{p.step_time_s - p.steady_step_s:.2f} s as generation varies"
+                    if p.steady_step_s is not None and p.step_time_s > p.steady_step_s + 5e-3
+                    else ""
+                )
             ]
             if plan.staleness and p.iteration_s is not None
             else []
@@ -163,8 +170,8 @@ def _schedule(plan: Plan) -> list[str]:
             for sp in spans
         ]
         head = (
-            f"steady state (staleness {plan.staleness}: two steps of {plan.predicted.step_time_s:.2f} s; a generate of"
-            f" step s+{plan.staleness} runs while step s trains)"
+            f"steady state (staleness {plan.staleness}: two steps of {drawn_period(plan):.2f} s"
+            f" at the mean lengths; a generate of step s+{plan.staleness} runs while step s trains)"
         )
         out += ["", head, *_table(["start", "end", "op", "step", "pool"], steady, right={0, 1})]
     return out

@@ -114,13 +114,13 @@ def verify_plan(plan: Plan, *, tol: float = 1e-6) -> None:
     if plan.staleness:  # the schedule is one iteration; the step, the pipelined loop's period
         if pred.iteration_s is None or abs(end - pred.iteration_s) > 1e-3 * max(1.0, end):
             raise VerificationError(f"predicted iteration {pred.iteration_s} s is not the schedule's end {end} s")
+        _verify_steady_state(plan, tol)
         busiest = max((p.busy_s for p in plan.pools), default=0.0)
         if pred.step_time_s < busiest * (1 - 1e-3) - 1e-6:  # (it may exceed the iteration: generates issued first)
             raise VerificationError(
                 f"predicted step {pred.step_time_s} s of a loop {plan.staleness} version(s) ahead is below the busiest"
                 f" pool's {busiest:.6g} s"
             )
-        _verify_steady_state(plan, tol)
     elif abs(end - pred.step_time_s) > 1e-3 * max(1.0, end):
         raise VerificationError(f"predicted step {pred.step_time_s} s is not the schedule's end {end} s")
     elif plan.steady_state:
@@ -142,7 +142,8 @@ def _no_overlap(entries: list[ScheduleEntry], what: str) -> None:
 
 def _verify_steady_state(plan: Plan, tol: float) -> None:
     """A pipelined plan's steady-state step: the schedule's ops once each, no two at once on a
-    pool, and it ends at the predicted step time (the period)."""
+    pool, and it ends at the predicted steady step (the period at the mean lengths), which the
+    predicted step (the mean period) is not below."""
     steady = plan.steady_state
     if not steady:
         raise VerificationError(
@@ -153,8 +154,15 @@ def _verify_steady_state(plan: Plan, tol: float) -> None:
         raise VerificationError("steady_state does not list the schedule's ops once each")
     _no_overlap(steady, "steady_state")
     end = max(e.end_s for e in steady)
-    if abs(end - plan.predicted.step_time_s) > 1e-3 * max(1.0, end) + tol:
-        raise VerificationError(f"steady_state ends at {end} s, not at the predicted step {plan.predicted.step_time_s} s")
+    pred = plan.predicted
+    at = pred.steady_step_s if pred.steady_step_s is not None else pred.step_time_s
+    if abs(end - at) > 1e-3 * max(1.0, end) + tol:
+        raise VerificationError(f"steady_state ends at {end} s, not at the predicted steady step {at} s")
+    if pred.step_time_s < at * (1 - 1e-3) - tol:
+        raise VerificationError(
+            f"predicted step {pred.step_time_s} s is below the steady step at the mean lengths, {at} s"
+            " (the variation of generation time only adds to a pipelined loop's period)"
+        )
 
 
 def _verify_graph(plan: Plan) -> None:

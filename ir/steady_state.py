@@ -21,13 +21,21 @@ class Span:
     end_s: float
 
 
+def drawn_period(plan: Plan) -> float:
+    """The period the steady state is drawn with: a pipelined plan's step at the mean lengths
+    (``predicted.steady_step_s``; its mean period adds what the variation of generation costs),
+    else the predicted step."""
+    p = plan.predicted
+    return p.steady_step_s if plan.staleness and p.steady_step_s is not None else p.step_time_s
+
+
 def pipelined_spans(plan: Plan, windows: int = 2) -> list[Span]:
     """``windows`` consecutive steps of ``plan`` as the runtime runs them: step ``j`` starts at
-    ``j × step time``. A pipelined plan (staleness K) repeats its steady-state step
+    ``j ×`` :func:`drawn_period`. A pipelined plan (staleness K) repeats its steady-state step
     (``plan.steady_state``: the planner's simulation of one step, from the search's own
     scheduler), whose generates sample step ``j + K``'s rollouts while step ``j`` trains; a
     lock-step plan its one-iteration schedule."""
-    period = plan.predicted.step_time_s
+    period = drawn_period(plan)
     steady = plan.staleness > 0
     if steady and not plan.steady_state:
         raise SpecError(
@@ -42,4 +50,4 @@ def pipelined_spans(plan: Plan, windows: int = 2) -> list[Span]:
     ]
 
 
-__all__ = ["Span", "pipelined_spans"]
+__all__ = ["Span", "drawn_period", "pipelined_spans"]

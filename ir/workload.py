@@ -39,6 +39,10 @@ class WorkloadSpec(BaseModel):
             ``lengths_from=RUN_DIR`` fills in from a run's metrics): generation is priced over
             this distribution (its long tail); None: an exponential with the mean whose last
             percent spreads up to the limit (``passes/response_lengths.py``).
+        mean_response_cv: how much a step's mean response length varies from step to step, as a
+            share of the mean (its standard deviation over the mean; what ``lengths_from=RUN_DIR``
+            measures). A pipelined loop's period prices it, with the variation of each step's
+            longest response, which the distribution gives (0: only that).
         mini_batches: optimizer updates per step per epoch (PPO mini-batches).
         epochs: passes over the rollout per step.
         train_micro_batch: sequences per device per micro-step of training
@@ -58,6 +62,7 @@ class WorkloadSpec(BaseModel):
     response_len: int = Field(1024, ge=1)
     mean_response_len: float | None = Field(None, gt=0)
     response_percentiles: tuple[float, float, float, float, float] | None = None
+    mean_response_cv: float = Field(0.0, ge=0.0, le=1.0)
     mini_batches: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)
     train_micro_batch: int | None = Field(None, ge=1)

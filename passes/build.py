@@ -37,7 +37,8 @@ from flowc.passes.manager import PlanContext
 from flowc.passes.pools import MAX_UTILIZATION, MIN_UTILIZATION, PoolChoice
 from flowc.passes.reshard import lower_bound_bytes
 from flowc.passes.schedule import SyncSpec, simulate
-from flowc.passes.search import Candidate, cross_pool_sync
+from flowc.passes.search import Candidate, cross_pool_sync, generate_spreads
+from flowc.passes.steady_period import Variation
 from flowc.passes.units import Unit, gen_unit, train_unit
 
 PHASE_ORDER = {"train": 0, "forward": 1, "generate": 2}
@@ -272,8 +273,22 @@ def timeline(
     sizes = [np.array([float(s)]) for s in pl.cand.sizes]
     k = ctx.pins.staleness or 0
     window: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    variation = None
+    if k:
+        spread = generate_spreads(units, pl.cand.partition, [[c] for c in pl.cand.choices])
+        variation = Variation(spread, ctx.workload.mean_response_cv)
     step, spans, busy = simulate(
-        ops, syncs, times, sync_times, sizes, ctx.hw.pool_bw, ctx.hw.controller_bw, record=True, staleness=k, window=window
+        ops,
+        syncs,
+        times,
+        sync_times,
+        sizes,
+        ctx.hw.pool_bw,
+        ctx.hw.controller_bw,
+        record=True,
+        staleness=k,
+        window=window,
+        variation=variation,
     )
     step_s = float(step[0])
     iteration_s = max((float(e[0]) for _, e in spans.values()), default=0.0)
@@ -310,9 +325,12 @@ def timeline(
 
 
 # ----------------------------------------------------------------- predicted
-def predicted(g: FlowGraph, ctx: PlanContext, step_s: float, iteration_s: float | None = None) -> Predicted:
+def predicted(
+    g: FlowGraph, ctx: PlanContext, step_s: float, iteration_s: float | None = None, steady_s: float | None = None
+) -> Predicted:
     """Throughput and MFU of the step: the policy's trained tokens, every model op's useful FLOPs
-    (``iteration_s``: one iteration's span, given when the loop is pipelined)."""
+    (``iteration_s``: one iteration's span, and ``steady_s`` the period at the mean lengths, given
+    when the loop is pipelined)."""
     dem = ctx.demands
     tokens = sum(
         d.sequences * d.seq_len for nid, d in dem.items() if g[nid].op == Op.UPDATE and g.roles[g[nid].role].kind == "policy"
@@ -333,6 +351,7 @@ def predicted(g: FlowGraph, ctx: PlanContext, step_s: float, iteration_s: float 
         tokens_per_step=float(tokens),
         mfu=round(flops / (step_s * world * ctx.hw.peak), 4) if step_s else 0.0,
         iteration_s=round(iteration_s, 6) if iteration_s is not None else None,
+        steady_step_s=round(steady_s, 6) if steady_s is not None else None,
     )
 
 

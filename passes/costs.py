@@ -197,6 +197,9 @@ class PhaseCost:
     # a micro-batch's fixed cost (dispatch or launches, per-micro-batch collectives) in padded tokens
     # of its compute: where splitting a token budget's rows further saves more padding than this, it pays
     micro_overhead_tokens: float = 0.0
+    # a generate's seconds over its mean at the quantiles of where a step's longest response falls
+    # (``steady_period.longest_spread``): what makes one step's generate slower than another's
+    spread: tuple[float, ...] = ()
 
 
 def replica_sequences(d: Demand, lay: Layout, *, train: bool) -> float:

@@ -265,15 +265,32 @@ def pipelined_note(k: int, plan_body: dict) -> list[str]:
             f"{head}, but nothing overlaps here (one pool, or the step's ops wait behind the generate on the pool they"
             f" share): {step:.2f} s per step either way (no gain)."
         ]
-    more = (
-        f" A staleness of {k} overlaps no more than 1 does: the runtime waits for each step's weight sync, so only"
-        " one later generate runs beside each step; the samples are only older."
-        if k > 1
-        else ""
-    )
     return [
-        f"{head}: {step:.2f} s per step in the steady state — {bound} — against {it:.2f} s for one lock-step iteration on this placement ({gain}).{more}"
+        f"{head}: {step:.2f} s per step in the steady state — {bound} — against {it:.2f} s for one lock-step iteration on this placement ({gain})."
+        + variation_note(k, pred)
     ]
+
+
+def variation_note(k: int, pred) -> str:
+    """What the step-to-step variation of generation costs the loop at staleness ``k`` (its mean
+    period over the period at the mean lengths), and what a larger K does about it."""
+    steady = pred.steady_step_s
+    if steady is None or pred.step_time_s <= steady * 1.001:
+        return (
+            " Generation's variation from step to step costs this loop nothing: no slow generate outlasts the training beside it."
+            if k > 1
+            else ""
+        )
+    extra = pred.step_time_s - steady
+    cure = (
+        "; a staleness of 2 or more absorbs slow generates in the rollouts issued further ahead"
+        if k == 1
+        else f"; the rollouts issued up to {k} steps ahead absorb the rest"
+    )
+    return (
+        f" Generation varies from step to step (the batch's longest response, the step's mean length): {steady:.2f} s a"
+        f" step at the mean lengths, +{extra:.2f} s ({extra / steady:.1%}) on average when a slow generate holds the trainer{cure}."
+    )
 
 
 def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:

@@ -20,6 +20,7 @@ from flowc.passes.costs import (
 )
 from flowc.passes.flops import Demand, attention_flops_per_token, forward_flops, matmul_params
 from flowc.passes.response_lengths import continuous_batch
+from flowc.passes.steady_period import longest_spread
 
 
 def takes_device_share(backend: str, kind: str) -> bool:
@@ -202,4 +203,12 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
         "concurrency": running,
         **detail,
     }
-    return PhaseCost(total, mem, 0.0, 0.0, waves, detail)
+    # a step's generate varies with where its longest response falls: the op ends with the slowest
+    # replica, i.e. the longest of all its responses (continuous batching: decoded alone at the end),
+    # or, in padded waves, with each wave's longest, every row computing every step
+    if lay.backend in STATIC_BATCH_BACKENDS:
+        spread = longest_spread(dist.quantile, float(b * lay.dp), step, waves=waves)
+    else:
+        longest = dist.expected_max(d.sequences * d.passes)
+        spread = longest_spread(dist.quantile, float(d.sequences * d.passes), step_s(1.0, d.prompt_len + longest))
+    return PhaseCost(total, mem, 0.0, 0.0, waves, detail, spread=spread)

@@ -102,7 +102,9 @@ def assemble_plan(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
     step, iteration, schedule, pools, steady = build.timeline(g, ctx, pl, ctx.reshards, pools)
     k = ctx.pins.staleness or 0
     body = {
-        "predicted": build.predicted(g, ctx, step, iteration if k else None),
+        "predicted": build.predicted(
+            g, ctx, step, iteration if k else None, max((e.end_s for e in steady), default=step) if k else None
+        ),
         "roles": build.role_plans(g, ctx, roles),
         "pools": pools,
         "reshards": ctx.reshards,
@@ -248,9 +250,10 @@ def _plan_once(
     return ctx.plan, planned, ctx
 
 
-# the staleness bounds the planner chooses among: in this runtime one later generate overlaps each
-# step whatever K ≥ 1 (schedule.steady_order), so a larger K would only make the samples older
-AUTO_STALENESS = (0, 1)
+# the staleness bounds the planner chooses among: K = 1 overlaps one later generate with each step;
+# K = 2 also absorbs a slow generate in the rollouts issued further ahead (steady_period), which
+# larger K add little to (a 16-point spread of the longest response: two slow steps in a row are rare)
+AUTO_STALENESS = (0, 1, 2)
 AUTO_TOLERANCE = 0.02  # a larger K must be this much faster: older samples cost learning
 
 

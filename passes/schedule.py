@@ -23,6 +23,7 @@ import numpy as np
 from flowc.ir.graph import FlowGraph
 from flowc.ir.ops import MODEL_OPS, Op, weight_sync_id
 from flowc.ir.types import nbytes
+from flowc.passes.steady_period import SPREAD_POINTS, Variation, varied_period
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,16 @@ def simulate(
     record: bool = False,
     staleness: int = 0,
     window: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    variation: Variation | None = None,
 ) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
     """Finish time of the step for every candidate (and, with ``record``,
     start/end of every op and sync of one iteration). ``times`` holds per-op durations;
     ``pool_sizes[i]`` the device count of pool i per candidate. With ``staleness`` K ≥ 1 the
-    step time is the pipelined loop's period: where one steady-state step ends
-    (:func:`steady_order`; ``window``, when given, receives its spans). The spans and the pools'
-    busy times are one lock-step iteration's."""
+    step time is the pipelined loop's mean period: where one steady-state step ends
+    (:func:`steady_order`; ``window``, when given, receives its spans), plus what the step-to-step
+    ``variation`` of the generates and of the steps' lengths costs the loop at that K
+    (:func:`flowc.passes.steady_period.varied_period`).
+    The spans and the pools' busy times are one lock-step iteration's."""
     durations, bw = (times, sync_times), (per_device_bw, controller_bw)
     step, spans, busy = _list_schedule(ops, syncs, durations, pool_sizes, bw, record)
     if staleness <= 0:
@@ -86,6 +90,16 @@ def simulate(
     per, win, _ = _list_schedule(order, syncs, durations, pool_sizes, bw, window is not None, done)
     if window is not None:
         window.update(win)
+    ahead = [o.id for o in order if o.ahead]
+    if variation and ahead:
+        mean_gen = sum(times[a] for a in ahead)
+        deviation = sum((variation.spread[a] for a in ahead if a in variation.spread), np.zeros((SPREAD_POINTS, len(per))))
+
+        def at(x: float) -> np.ndarray:
+            scaled = {**times, **{a: times[a] * x for a in ahead}}
+            return _list_schedule(order, syncs, (scaled, sync_times), pool_sizes, bw, False, done)[0]
+
+        per = varied_period(at, mean_gen, deviation, variation.cv, staleness, per)
     return per, spans, busy
 
 

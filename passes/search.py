@@ -31,6 +31,7 @@ from flowc.passes.pins import Pins
 from flowc.passes.pools import PoolChoice, PoolTable
 from flowc.passes.reshard import ReshardCost, sync_cost
 from flowc.passes.schedule import OpSpec, SyncSpec, simulate
+from flowc.passes.steady_period import Variation
 from flowc.passes.units import Unit, train_unit
 
 EXACT_LIMIT = 400_000  # splits scored exactly per co-location
@@ -230,8 +231,12 @@ class Searcher:
             self.hw.pool_bw,
             self.hw.controller_bw,
             staleness=self.staleness,
+            variation=self._variation(part, choices) if self.staleness else None,
         )
         return step, choices
+
+    def _variation(self, part, choices: list[list[PoolChoice]]) -> Variation:
+        return Variation(generate_spreads(self.pt.t.units, part, choices), self.pt.t.workload.mean_response_cv)
 
     # ------------------------------------------------------------- enumerate
     def _enumerate(self, part, heads: list[list[int]]) -> np.ndarray:
@@ -355,4 +360,20 @@ def _neighbours(size: int, allowed: list[int]) -> list[int]:
         out.append(allowed[i + 1])
     if i - 1 >= 0:
         out.append(allowed[i - 1])
+    return out
+
+
+def generate_spreads(units: dict[str, Unit], part, choices: list[list[PoolChoice]]) -> dict[str, np.ndarray]:
+    """Each generate op's deviations from its time (``PhaseCost.spread``), ``(points, candidates)``,
+    from the pools' choices (a candidate whose pool has no engine for it: none)."""
+    out: dict[str, np.ndarray] = {}
+    for i, b in enumerate(part):
+        for u in b:
+            if not units[u].generates:
+                continue
+            for op in units[u].ops:
+                rows = [c.gens[u].op_costs[op].spread if u in c.gens else () for c in choices[i]]
+                width = max((len(r) for r in rows), default=0)
+                if width:
+                    out[op] = np.array([r or (0.0,) * width for r in rows], dtype=float).T
     return out

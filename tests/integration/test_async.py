@@ -198,8 +198,9 @@ def test_a_run_replans_when_the_measured_lengths_drift(ray_cluster, tmp_path):
     (ev,) = events
     assert ev["replan/planned_response_len"] == 1.0
     assert ev["replan/measured_response_len"] == pytest.approx(sum(r["response_length/mean"] for r in rows[:2]) / 2, abs=1e-3)
+    assert "replan/measured_response_cv" not in ev  # two steps say nothing of how the steps vary
     assert ev["replan/predicted_step_s"] > 0 and ev["replan/best_step_s"] > 0 and ev["replan/best_gain"] > 0
-    assert ev["replan/staleness_to"] in (0, 1) and set(ev["replan/staleness_step_s"]) == {"0", "1"}
+    assert ev["replan/staleness_to"] in (0, 1, 2) and set(ev["replan/staleness_step_s"]) == {"0", "1", "2"}
     assert ev["replan/best_placement"] == "actor.gen ×1 | actor.train ×1"  # the run's pins hold in the re-plan
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
 

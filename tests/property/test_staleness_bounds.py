@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flowc.passes.steady_period import play as play_planned
 from flowc.runtime.ahead import PendingSync, SyncQueue, issued_ahead
 
 
@@ -119,6 +120,22 @@ def test_a_step_waits_only_for_its_own_training_and_the_next_steps_rollouts(k, s
         engine_free = max(trainer, engine_free) + sync
         assert ends[s] <= max(trainer, gen_end[s + 1]) + sync + 1e-9
         clock = ends[s]
+
+
+@settings(max_examples=300, deadline=None)
+@given(k=st.integers(0, 6), sync=st.floats(0.0, 1.0), data=st.data())
+def test_the_planner_plays_the_loop_as_the_controller_runs_it(k, sync, data):
+    """The planner's model of the loop (``steady_period.play``, which prices a varying generate)
+    ends every step when the controller's own queue of deferred syncs does, with the sync on the
+    engine alone; with the sync also holding the trainer (the cost model's transfer) never sooner."""
+    steps = data.draw(st.integers(1, 12))
+    gen = data.draw(st.lists(seconds, min_size=steps, max_size=steps))
+    train = data.draw(st.lists(seconds, min_size=steps, max_size=steps))
+    runtime = timed(gen, train, k, sync)
+    planner = [float(x) for x in play_planned(gen, train, [sync] * steps, k, sync_on_trainer=False)]
+    assert planner == pytest.approx(runtime, rel=1e-12, abs=1e-12)
+    both = [float(x) for x in play_planned(gen, train, [sync] * steps, k)]
+    assert all(b >= r - 1e-9 for b, r in zip(both, runtime, strict=True))
 
 
 def test_a_slow_generate_is_absorbed_by_the_rollouts_issued_ahead():

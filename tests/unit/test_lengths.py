@@ -4,6 +4,7 @@ the response-length percentiles a run records per step."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from helpers import EXAMPLES, ROOT, flowc_cmd
 
 from flowc.errors import SpecError
 from flowc.ir.plan_text import format_plan
-from flowc.lengths import LAST_STEPS, expand
+from flowc.lengths import LAST_STEPS, expand, step_cv
 from flowc.loader import load_flow
 from flowc.passes.pipeline import make_plan
 from flowc.planning import build_request
@@ -35,9 +36,10 @@ def test_the_mean_is_the_median_of_the_last_steps_and_the_limit_must_match(tmp_p
     means = [24.0] * 5 + [float(x) for x in range(4, 4 + LAST_STEPS)]  # early steps run long, the last ten are 4..13
     run = fake_run(tmp_path, means)
     words, notes = expand(f"prompts=8,response_len=24,lengths_from={run}")
-    assert words == "prompts=8,response_len=24,mean_response_len=8.5"
+    assert words == "prompts=8,response_len=24,mean_response_len=8.5,mean_response_cv=0.0832"  # √(9/18)/8.5
     (note,) = notes
     assert "mean_response_len=8.5: measured by" in note and "steps 6-15" in note and "p90 12" in note and "limit 24" in note
+    assert "step means ±8.3%" in note
     assert expand("prompts=8,response_len=24") == ("prompts=8,response_len=24", [])
     with pytest.raises(SpecError, match="sampled under response_len=24, this workload's is 48") as e:
         expand(f"response_len=48,lengths_from={run}")
@@ -108,7 +110,7 @@ def test_the_measured_shape_is_the_median_percentiles_made_ascending(tmp_path):
     ]  # fmt: skip
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     words, (note,) = expand(f"response_len=24,lengths_from={run}")
-    assert words == "response_len=24,mean_response_len=8,response_percentiles=2/6/6/20/24"
+    assert words == "response_len=24,mean_response_len=8,response_percentiles=2/6/6/20/24,mean_response_cv=0.0884"
     assert "min/p50/p90/p99/max 2/6/6/20/24" in note
     with pytest.raises(SpecError, match="both response_percentiles and lengths_from"):
         expand(f"response_len=24,response_percentiles=1/2/3/4/5,lengths_from={run}")
@@ -130,6 +132,16 @@ def test_a_measured_long_tail_costs_generation_time(tmp_path):
         if name == "tail":
             assert "response 2048 (mean 475.0, min/p50/p90/p99/max 10/200/1100/2048/2048)" in format_plan(plan)
     assert gen["tail"] > 1.5 * gen["even"], gen
+
+
+def test_the_step_to_step_variation_is_from_successive_differences():
+    """A steady drift of the means (a policy learning to answer longer) is barely variation; steps
+    that alternate are; a flat run has none; two steps say nothing."""
+    assert step_cv([10.0, 10.0, 10.0]) == 0.0
+    assert step_cv([8.0, 12.0] * 5) == pytest.approx(math.sqrt(16 * 9 / 18) / 10)  # 0.4
+    assert step_cv([float(x) for x in range(100, 110)]) == pytest.approx(math.sqrt(9 / 18) / 104.5)  # 0.7 %
+    assert step_cv([1.0, 2.0]) is None
+    assert step_cv([1.0, 1000.0, 1.0]) == 1.0  # at most 1
 
 
 def test_percentiles_are_nearest_rank():

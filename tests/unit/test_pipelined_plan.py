@@ -133,13 +133,14 @@ def test_one_shared_pool_gains_nothing(graph):
 def test_a_pipelined_plan_is_never_slower_than_lock_step_and_respects_its_bounds(graph, k, cluster):
     """For a flow whose generate comes first, every candidate's period is at most its iteration, so
     the search's best can only improve; the period is at least the busiest pool's time and is where
-    the steady-state step ends; and
-    every K ≥ 1 prices the same (one later generate overlaps each step)."""
+    the steady-state step ends; and, as this workload's generates do not vary from step to step
+    (the longest response reaches the limit every step), every K ≥ 1 prices the same (one later
+    generate overlaps each step)."""
     lock, ahead = _plan(graph, [], cluster), _plan(graph, [f"staleness={k}"], cluster)
     p = ahead.predicted
     assert p.step_time_s <= lock.predicted.step_time_s * (1 + 1e-6)
     assert p.step_time_s >= max(x.busy_s for x in ahead.pools) * (1 - 1e-4)
-    assert p.step_time_s == pytest.approx(max(e.end_s for e in ahead.steady_state), abs=1e-5)
+    assert p.step_time_s == pytest.approx(max(e.end_s for e in ahead.steady_state), abs=1e-5) == p.steady_step_s
     assert p.iteration_s >= p.step_time_s * (1 - 1e-6)
     if k > 1:
         assert p.step_time_s == pytest.approx(_plan(graph, ["staleness=1"], cluster).predicted.step_time_s, rel=1e-9)
@@ -223,6 +224,23 @@ def test_auto_staleness_takes_the_smallest_k_within_tolerance_of_the_fastest(gra
     assert auto.staleness == min(k for k in AUTO_STALENESS if steps[k] <= min(steps.values()) * (1 + AUTO_TOLERANCE))
     assert auto.why[0].startswith("Staleness (auto): 1 — step time by staleness: 0 → ")
     assert pins_from_plan(auto).staleness == 1  # a saved plan fixes the chosen K
+
+
+def test_the_verifier_holds_the_mean_period_to_at_least_the_steady_step(graph):
+    """A pipelined plan's mean period cannot be below its period at the mean lengths (variation
+    only adds to it), and its steady state must end at the latter."""
+    from flowc.errors import VerificationError
+    from flowc.ir.plan_verify import verify_plan
+
+    p = _plan(graph, ["staleness=1"], "2x8xH100")
+    verify_plan(p)
+    pred = p.predicted
+    below = p.model_copy(update={"predicted": pred.model_copy(update={"step_time_s": pred.steady_step_s * 0.9})})
+    with pytest.raises(VerificationError, match="below the steady step at the mean lengths"):
+        verify_plan(below)
+    off = p.model_copy(update={"predicted": pred.model_copy(update={"steady_step_s": pred.steady_step_s * 0.9})})
+    with pytest.raises(VerificationError, match="not at the predicted steady step"):
+        verify_plan(off)
 
 
 def test_auto_staleness_is_lock_step_for_a_loss_without_a_correction(tmp_path):
@@ -333,25 +351,31 @@ def test_an_undeclared_flow_is_lock_step_by_default_and_the_plan_says_why(graph,
 
 
 # ----------------------------------------------------------- the diagram's steady state
+VARIED = WorkloadSpec(prompts=512, prompt_len=512, response_len=16384, mean_response_len=2000, mean_response_cv=0.2)
+
+
 @pytest.mark.parametrize(
-    "pins, cluster",
+    "pins, cluster, workload",
     [
-        (["staleness=1", "colocate=actor.train,ref;actor.gen"], "2x8xH100"),
-        (["staleness=1", "colocate=actor.train;actor.gen,ref"], "2x8xH100"),
-        (["staleness=2"], "4x8xH100"),
-        (["staleness=1", "colocate=actor.train,actor.gen,ref"], "1x8xH100"),
-        ([], "2x8xH100"),
+        (["staleness=1", "colocate=actor.train,ref;actor.gen"], "2x8xH100", WORKLOAD),
+        (["staleness=1", "colocate=actor.train;actor.gen,ref"], "2x8xH100", WORKLOAD),
+        (["staleness=2"], "4x8xH100", WORKLOAD),
+        (["staleness=1", "colocate=actor.train,actor.gen,ref"], "1x8xH100", WORKLOAD),
+        ([], "2x8xH100", WORKLOAD),
+        (["staleness=1"], "4x8xH100", VARIED),  # the mean period exceeds the drawn one: generation varies
     ],
 )
-def test_the_diagram_draws_two_steps_of_the_steady_state_within_their_periods(graph, pins, cluster):
-    """Each of the two steps' bars lies within its period, no two bars of a pool overlap, every op
-    of the schedule is drawn once per step, and a pipelined plan's generates are the next step's."""
+def test_the_diagram_draws_two_steps_of_the_steady_state_within_their_periods(graph, pins, cluster, workload):
+    """Each of the two steps' bars lies within its period (at the mean lengths), no two bars of a
+    pool overlap, every op of the schedule is drawn once per step, and a pipelined plan's generates
+    are the next step's."""
     from flowc.export import to_html
-    from flowc.ir.steady_state import pipelined_spans
+    from flowc.ir.steady_state import drawn_period, pipelined_spans
 
     m = ModelSpec.resolve("qwen2.5-7b")
-    plan, planned, _ = make_plan(graph, {"actor": m, "ref": m}, ClusterSpec.parse(cluster), WORKLOAD, parse_pins(pins))
-    period = plan.predicted.step_time_s
+    plan, planned, _ = make_plan(graph, {"actor": m, "ref": m}, ClusterSpec.parse(cluster), workload, parse_pins(pins))
+    period = drawn_period(plan)
+    assert period == (plan.predicted.steady_step_s if plan.staleness else plan.predicted.step_time_s)
     spans = pipelined_spans(plan)
     drawn = [e for e in plan.schedule if e.end_s > e.start_s or e.pool]
     durations = {e.op: e.end_s - e.start_s for e in plan.schedule}

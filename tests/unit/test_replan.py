@@ -10,7 +10,7 @@ from flowc.ir.models import ModelSpec
 from flowc.ir.workload import WorkloadSpec
 from flowc.loader import load_flow
 from flowc.passes.pins import parse_pins, pins_from_plan
-from flowc.passes.pipeline import make_plan
+from flowc.passes.pipeline import AUTO_TOLERANCE, make_plan
 from flowc.planning import read_plan
 from flowc.replan import REPLACE_GAIN, at_length, measured_length, planned_length, replan
 
@@ -38,6 +38,9 @@ def test_lengths_measured_planned_and_moved():
     moved = at_length(SHORT.model_copy(update={"response_percentiles": (1, 50, 90, 99, 4000)}), 9000.0)
     assert moved.mean_response_len == 4096 and moved.response_percentiles is None  # capped; old distribution dropped
     assert at_length(SHORT, 0.2).mean_response_len == 1.0
+    varied = at_length(SHORT.model_copy(update={"mean_response_cv": 0.05}), 100.0, 0.3)
+    assert varied.mean_response_cv == 0.3  # the steps' measured variation replaces the planned one
+    assert at_length(varied, 100.0).mean_response_cv == 0.3  # not measured: kept
 
 
 def test_longer_responses_switch_a_lock_step_split_to_one_step_off(tmp_path):
@@ -49,7 +52,8 @@ def test_longer_responses_switch_a_lock_step_split_to_one_step_off(tmp_path):
     r = replan(12, plan, g, MODELS, 1200.0, may_switch=True, best_plan=_best(g), out_dir=tmp_path)
     again = make_plan(g, MODELS, CLUSTER, at_length(SHORT, 1200.0), pins_from_plan(plan))[0]
     assert r.current_s == pytest.approx(again.predicted.step_time_s)  # the run's own plan at the measured length
-    assert set(r.by_staleness) == {0, 1} and r.by_staleness[0] == r.current_s
+    assert set(r.by_staleness) == {0, 1, 2} and r.by_staleness[0] == r.current_s
+    assert r.by_staleness[2] == pytest.approx(r.by_staleness[1], rel=AUTO_TOLERANCE)  # no variation measured: K = 1 suffices
     assert r.by_staleness[1] < r.by_staleness[0] and r.switched and (r.staleness_from, r.staleness_to) == (0, 1)
     ev = r.event()
     assert ev["event"] == "replan" and ev["step"] == 12
