@@ -159,7 +159,9 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
         conc = int(free // (kv_one + logits_seq))
         waves = max(1, math.ceil(seqs / conc))
         b = math.ceil(seqs / waves)
-        steps = dist.expected_max(b)
+        # each wave decodes until its longest response ends; the last, until the longest of the last
+        # waves of every replica (the generate waits for the slowest)
+        steps = ((waves - 1) * dist.expected_max(b) + dist.expected_max(b * lay.dp)) / waves
         step = step_s(float(b), d.prompt_len + steps / 2.0)
         prefill = waves * prefill_s(float(b), b * d.prompt_len)
         decode = waves * steps * step
@@ -169,7 +171,9 @@ def generate_cost(m: ModelSpec, lay: Layout, d: Demand, hw: Hw, *, free_gb: floa
         while rows > 1 and free - rows * logits_seq < kv_one:
             rows = max(1, rows // 2)
         cap = (free - rows * logits_seq) / kv_tok
-        sched = continuous_batch(dist, seqs, d.prompt_len, cap, KV_BLOCK_TOKENS[hw.kind], rows)
+        # the generate ends with its slowest replica: the one that drew the batch's longest response
+        every = math.ceil(d.sequences * d.passes)
+        sched = continuous_batch(dist, seqs, d.prompt_len, cap, KV_BLOCK_TOKENS[hw.kind], rows, longest_of=every)
         ctx = d.prompt_len + dist.held_mean
         decode = sum(n * step_s(r, ctx) for n, r in sched.levels)
         steps, waves, running = sched.steps, 1, float(sched.most_running)

@@ -227,10 +227,15 @@ class Schedule:
     tail_steps: float
 
 
-def continuous_batch(dist: LengthDist, n: int, prompt: float, cap_tokens: float, block: int, max_seqs: int | None) -> Schedule:
+def continuous_batch(
+    dist: LengthDist, n: int, prompt: float, cap_tokens: float, block: int, max_seqs: int | None, *, longest_of: int | None = None
+) -> Schedule:
     """Play ``n`` requests of ``prompt`` tokens with lengths from ``dist`` through an engine whose
     KV cache holds ``cap_tokens`` tokens in blocks of ``block`` and that runs at most ``max_seqs``
-    sequences at once (None: no such limit). The cache must hold one whole sequence."""
+    sequences at once (None: no such limit). The cache must hold one whole sequence.
+    ``longest_of``: the batch ends with the longest of this many responses (default ``n``) — of
+    all replicas' requests when the caller waits for every replica: the slowest replica is the
+    one that drew the batch's longest response, which decodes on alone."""
     need = prompt + dist.limit + block
     # scaled down only while the scaled cache and sequence cap still hold a few sequences each
     scale = max(1.0, min(n / MAX_SIMULATED, cap_tokens / (4.0 * need), (max_seqs or math.inf) / 4.0))
@@ -244,7 +249,7 @@ def continuous_batch(dist: LengthDist, n: int, prompt: float, cap_tokens: float,
     # the representatives' longest is the (m - ½)/m quantile, the batch's the longest of n: where that
     # is longer (always when scaled down; where the tail is steep, e.g. a 1 % tail to the limit, at
     # any m) the longest response decodes on alone for the difference (a lower bound on the tail)
-    extra = max(0.0, dist.expected_max(n) - dist.lengths(m)[-1])
+    extra = max(0.0, dist.expected_max(max(n, longest_of or n)) - dist.lengths(m)[-1])
     return Schedule(
         ((extra, 1.0),) * (extra > 0) + tuple((steps, running * scale) for steps, running in s.levels),
         s.steps + extra,

@@ -185,6 +185,20 @@ def test_a_scaled_schedule_keeps_the_long_tail_of_all_its_requests():
     assert scaled.steps >= d.expected_max(4096)
 
 
+def test_a_generate_waits_for_the_replica_that_drew_the_longest_of_all_responses():
+    """8 replicas of 1,024 requests each (verl's DAPO-7B on 32 H20): the generate ends when the
+    longest of all 8,192 responses does, decoded alone by its replica — about 2,000 steps after
+    the longest of one replica's 1,024 (a 1 % tail to a 28k limit); fewer never shortens it."""
+    d = LengthDist.of(28672, 1200)
+    own = continuous_batch(d, 1024, 256, 1e12, 16, None)
+    every = continuous_batch(d, 1024, 256, 1e12, 16, None, longest_of=8192)
+    assert own.steps == pytest.approx(d.expected_max(1024), rel=1e-3)
+    assert every.steps == pytest.approx(d.expected_max(8192), rel=1e-3) and every.steps > own.steps + 1500
+    assert every.levels[0][1] == 1.0 == own.levels[0][1]  # the extra steps decode one sequence
+    assert every.levels[0][0] - own.levels[0][0] == pytest.approx(every.steps - own.steps)
+    assert continuous_batch(d, 1024, 256, 1e12, 16, None, longest_of=512).steps == own.steps
+
+
 def test_a_generate_cut_below_the_limit_prices_the_cut_distribution_at_its_own_mean():
     """``generate(max_tokens=…)`` below the workload's limit: the workload's distribution cut at it,
     priced at that cut's mean (not the whole distribution's mean pulled down to the cut, which the
