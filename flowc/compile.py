@@ -171,7 +171,8 @@ def _shape(graph: dict) -> tuple:
 def saved_conflicts(plan: Plan, *, workload: str | None, pins: list[str], rollout: str | None, config: RunConfig) -> list[str]:
     """The options given beside a saved plan that contradict a decision in it (the plan wins only when none do)."""
     out = []
-    if workload is not None and WorkloadSpec.parse(expand_lengths(workload)[0]).model_dump() != plan.workload:
+    # both read as WorkloadSpec: a plan saved before a workload field existed holds no key for it
+    if workload is not None and WorkloadSpec.parse(expand_lengths(workload)[0]) != WorkloadSpec(**plan.workload):
         out.append(f"--workload {workload} (the plan's: {WorkloadSpec(**plan.workload).model_dump(exclude_defaults=True)})")
     if pins:
         out.append(f"--pin {' '.join(pins)} (a saved plan fixes every decision)")

@@ -219,7 +219,7 @@ def _placement_svg(plan: Plan, g: FlowGraph) -> str:
         parts.append(f'<line x1="{x:.1f}" y1="{top - 6}" x2="{x:.1f}" y2="{y:.1f}" stroke="#333" stroke-width="1.5"/>')
         parts.append(
             f'<text x="{left:.1f}" y="{top - 8}" font-size="10">steady state, staleness {plan.staleness}: steps s and s+1,'
-            f" {plan.predicted.step_time_s:.2f} s each ([s+{plan.staleness}]: a later step's rollouts, generated ahead)</text>"
+            f" {drawn_period(plan):.2f} s each at the mean lengths ([s+{plan.staleness}]: a later step's rollouts, generated ahead)</text>"
         )
     parts.append("</svg>")
     return "".join(parts)

@@ -244,8 +244,9 @@ def pipelined_note(k: int, plan_body: dict) -> list[str]:
     if not k or not pred.iteration_s:
         return []
     step, it = pred.step_time_s, pred.iteration_s
+    steady = pred.steady_step_s if pred.steady_step_s is not None else step  # at the mean lengths
     busiest = max(plan_body["pools"], key=lambda p: p.busy_s)
-    if busiest.busy_s >= step * 0.999:
+    if busiest.busy_s >= steady * 0.999:
         bound = f"pool {busiest.name} is busy all of it (its ops and weight syncs of one step)"
     else:
         bound = (
@@ -266,7 +267,8 @@ def pipelined_note(k: int, plan_body: dict) -> list[str]:
             f" share): {step:.2f} s per step either way (no gain)."
         ]
     return [
-        f"{head}: {step:.2f} s per step in the steady state — {bound} — against {it:.2f} s for one lock-step iteration on this placement ({gain})."
+        f"{head}: {steady:.2f} s per step in the steady state at the mean lengths — {bound} — against {it:.2f} s for one"
+        f" lock-step iteration on this placement ({gain}{', with the variation below' if step > steady * 1.001 else ''})."
         + variation_note(k, pred)
     ]
 
@@ -277,15 +279,18 @@ def variation_note(k: int, pred) -> str:
     steady = pred.steady_step_s
     if steady is None or pred.step_time_s <= steady * 1.001:
         return (
-            " Generation's variation from step to step costs this loop nothing: no slow generate outlasts the training beside it."
+            f" Slow generates cost this loop nothing on average: the rollouts issued up to {k} steps ahead absorb"
+            " them, where generation varies from step to step."
             if k > 1
             else ""
         )
     extra = pred.step_time_s - steady
     cure = (
-        "; a staleness of 2 or more absorbs slow generates in the rollouts issued further ahead"
+        "; a staleness of 2 or more absorbs slow generates in the rollouts issued further ahead, unless the step's"
+        " own ops wait behind them on the generation pool"
         if k == 1
-        else f"; the rollouts issued up to {k} steps ahead absorb the rest"
+        else f"; the rollouts issued up to {k} steps ahead absorb a slow generate, not a run of them, nor one that the"
+        " step's own ops on the generation pool wait behind"
     )
     return (
         f" Generation varies from step to step (the batch's longest response, the step's mean length): {steady:.2f} s a"

@@ -95,9 +95,10 @@ def simulate(
         mean_gen = sum(times[a] for a in ahead)
         deviation = sum((variation.spread[a] for a in ahead if a in variation.spread), np.zeros((SPREAD_POINTS, len(per))))
 
-        def at(x: float) -> np.ndarray:
+        def at(x: float, with_syncs: bool) -> np.ndarray:
             scaled = {**times, **{a: times[a] * x for a in ahead}}
-            return _list_schedule(order, syncs, (scaled, sync_times), pool_sizes, bw, False, done)[0]
+            st = sync_times if with_syncs else {k: v * 0.0 for k, v in sync_times.items()}
+            return _list_schedule(order, syncs, (scaled, st), pool_sizes, bw, False, done)[0]
 
         per = varied_period(at, mean_gen, deviation, variation.cv, staleness, per)
     return per, spans, busy

@@ -116,13 +116,13 @@ class Variation:
 
 
 def varied_period(
-    at: Callable[[float], np.ndarray], mean_gen: np.ndarray, deviation: np.ndarray, cv: float, k: int, period: np.ndarray
+    at: Callable[[float, bool], np.ndarray], mean_gen: np.ndarray, deviation: np.ndarray, cv: float, k: int, period: np.ndarray
 ) -> np.ndarray:
     """The mean period of a pipelined loop (staleness ``k`` ≥ 1) whose generate time varies by
     ``deviation`` (``(SPREAD_POINTS, n)``: seconds over ``mean_gen``, the steady-state step's
     generates at the mean, per candidate) and whose steps' lengths vary by ``cv`` as a whole.
-    ``at(x)``: the steady-state step's end with every generate issued ahead ``x`` times as long;
-    ``period``: ``at(1)``.
+    ``at(x, syncs)``: the steady-state step's end with every generate issued ahead ``x`` times as
+    long (``syncs`` False: the weight syncs take no time); ``period``: ``at(1, True)``.
 
     The step's end is a max-plus expression of the op times, so as a function of one generate
     scale it is ``max(a, b + x·s)``: ``a`` what does not wait for the generate (the training and
@@ -132,7 +132,12 @@ def varied_period(
     ``s·(x + f − 1)`` (``x`` the longest response's deviation, ``f`` the step's length factor
     ``1 + cv·z`` at normal quantiles ``z``, each in its own fixed shuffled order), and the mean
     period of its steady part, less its value without variation, is added to ``period`` (so that
-    without variation the result is exactly ``period``)."""
+    without variation the result is exactly ``period``).
+
+    Where ``b`` holds more than the syncs — ops of the step itself queued behind the generate on
+    its pool (a reference or reward model sharing the generation pool), which every step waits
+    for — the rollouts issued further ahead cannot absorb anything: the controller issues them
+    before the step's own ops, so those wait for them too. Such candidates are played at K = 1."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         ok = np.isfinite(period) & (mean_gen > 0)
         if not ok.any():
@@ -140,24 +145,29 @@ def varied_period(
         g = np.where(ok, mean_gen, 1.0)
         per = np.where(ok, period, 0.0)
         big = float(np.max((2.0 * per + 1.0) / g)) * 4.0 + 4.0  # the generate's path dominates at this scale
-        p0, p1, p2 = at(0.0), at(big), at(2.0 * big)
+        p0, p1, p2 = at(0.0, True), at(big, True), at(2.0 * big, True)
         slope = np.where(ok, (p2 - p1) / big, 0.0)
         b = np.where(ok, p1 - big * slope, 0.0)
         a = np.where(ok, p0, 0.0)
+        own = np.where(ok, at(big, False) - big * slope, 0.0)  # b without the syncs: the step's own ops
+        queued = own > 1e-3 * np.maximum(per, 1e-3)  # (a share of the step: not the rounding of a transfer)
         x = np.where(ok, np.maximum(1.0 + deviation / g, 0.0), 1.0)  # (points, n)
         points = x.shape[0]
         z = [NormalDist().inv_cdf((j + 0.5) / points) for j in range(points)]
         scale = [max(1.0 + cv * zj, 0.0) for zj in z]
         longest, whole = _order(points, 0), _order(points, 1)
         train, tail = np.maximum(a - b, 0.0), b
-        steady = _mean_period(
-            [slope * np.maximum(x[i] + scale[j] - 1.0, 0.0) for i, j in zip(longest, whole, strict=True)],
-            [train * scale[j] for j in whole],
-            tail,
-            k,
-        )
-        flat = _mean_period([slope] * PLAYED_STEPS, [train] * PLAYED_STEPS, tail, k)
-        return np.where(ok, period + np.maximum(steady - flat, 0.0), period)  # (≥ 0: the mean of a max)
+        gens = [slope * np.maximum(x[i] + scale[j] - 1.0, 0.0) for i, j in zip(longest, whole, strict=True)]
+        trains = [train * scale[j] for j in whole]
+
+        def excess(kk: int) -> np.ndarray:
+            flat = _mean_period([slope] * PLAYED_STEPS, [train] * PLAYED_STEPS, tail, kk)
+            return np.maximum(_mean_period(gens, trains, tail, kk) - flat, 0.0)  # (≥ 0: the mean of a max)
+
+        extra = excess(k)
+        if k > 1 and queued.any():
+            extra = np.where(queued, excess(1), extra)
+        return np.where(ok, period + extra, period)
 
 
 def _order(points: int, seed: int) -> list[int]:

@@ -131,6 +131,12 @@ def test_saved_plan_and_config_must_agree_on_lora():
     common = {"workload": None, "pins": [], "rollout": None}
     assert saved_conflicts(plan, config=cfg, **common) == []
     assert saved_conflicts(plan, config=RunConfig(), **common) == []  # silent: the plan's adapters run
+    # the same workload beside the plan agrees, also with a plan saved before a workload field existed
+    words = ",".join(f"{k}={v}" for k, v in plan.workload.items() if v is not None and k != "response_percentiles")
+    older = plan.model_copy(update={"workload": {k: v for k, v in plan.workload.items() if k != "mean_response_cv"}})
+    assert saved_conflicts(older, config=cfg, pins=[], rollout=None, workload=words) == []
+    (wl,) = saved_conflicts(older, config=cfg, pins=[], rollout=None, workload=words + ",mean_response_cv=0.3")
+    assert wl.startswith("--workload")
     other, _ = RunConfig.load(None, ["optim.actor.lora.rank=8"])
     (msg,) = saved_conflicts(plan, config=other, **common)
     assert "optim.actor.lora: r8 α16 all-linear" in msg and "the plan's: r16" in msg

@@ -97,7 +97,10 @@ def test_a_period_may_exceed_the_iteration_when_generates_are_issued_first_and_t
     ]
     lock, per, win = _window(ops, 2, times, ("upd", (1, 0), 0.5))
     assert (lock, per) == (19.5, 25.5) and win["ref"] == (12.0, 15.0)
-    body = {"predicted": SimpleNamespace(step_time_s=per, iteration_s=lock), "pools": [SimpleNamespace(name="a", busy_s=15.5)]}
+    body = {
+        "predicted": SimpleNamespace(step_time_s=per, iteration_s=lock, steady_step_s=per),
+        "pools": [SimpleNamespace(name="a", busy_s=15.5)],
+    }
     (note,) = pipelined_note(1, body)
     assert "but here it is slower: 25.50 s per step against 19.50 s lock-step" in note
 
@@ -403,7 +406,7 @@ def test_the_diagram_draws_two_steps_of_the_steady_state_within_their_periods(gr
         assert all(a[1] <= b[0] + 1e-5 for a, b in pairwise(bars)), pool
     page = to_html(plan, planned)
     if plan.staleness:
-        assert f"steady state, staleness {plan.staleness}: steps s and s+1" in page
+        assert f"steady state, staleness {plan.staleness}: steps s and s+1, {period:.2f} s each at the mean lengths" in page
         assert 'id="steady-state"' in page and f"actor.generate [s+{plan.staleness}]" in page
         assert f'data-step="{plan.staleness + 1}"' in page
         assert "steady state (staleness" in format_plan(plan)
