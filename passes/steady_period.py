@@ -155,6 +155,7 @@ def varied_period(
         points = x.shape[0]
         z = [NormalDist().inv_cdf((j + 0.5) / points) for j in range(points)]
         scale = [max(1.0 + cv * zj, 0.0) for zj in z]
+        scale = [f * points / sum(scale) for f in scale]  # mean 1 also where a wide cv clips the shortest at 0
         longest, whole = _order(points, 0), _order(points, 1)
         train, tail = np.maximum(a - b, 0.0), b
         gens = [slope * np.maximum(x[i] + scale[j] - 1.0, 0.0) for i, j in zip(longest, whole, strict=True)]

@@ -60,6 +60,13 @@ def test_no_variation_leaves_the_period_as_it_is():
             assert period(a, b, s, dev, k) == pytest.approx(max(a, b + s), abs=1e-9)
 
 
+@pytest.mark.parametrize("cv", [0.1, 0.5, 0.8, 1.0])
+def test_the_steps_length_factors_average_to_one_however_wide(cv):
+    """Nothing overlaps the generate (its pool is the step): the period is its mean at any cv, also
+    where 1 + cv·z would fall below 0 for the shortest steps and is clipped there."""
+    assert period(0.0, 0.5, 2.0, np.zeros(SPREAD_POINTS), 1, cv) == pytest.approx(2.5, rel=1e-9)
+
+
 def test_a_slow_generate_holds_the_trainer_at_k1_and_the_rollouts_issued_ahead_absorb_it_at_k2():
     """Training 1 s, generates half 1.6 s and half 0.2 s (0.9 s on average), a free sync: at K = 1
     every slow generate holds the next step (1.3 s a step on average); at K = 2 the buffer absorbs
