@@ -107,7 +107,10 @@ WorkloadOpt = Annotated[
     typer.Option(
         "--workload",
         "-w",
-        help="k=v,…: prompts, prompt_len, response_len, mean_response_len, mini_batches, epochs, train_micro_batch, forward_micro_batch; multi-turn: turns, obs_len, env_latency_s.",
+        help="k=v,…: prompts, prompt_len, response_len, mean_response_len, response_percentiles (MIN/P50/P90/P99/MAX),"
+        " mean_response_cv (how much a step's mean length varies from step to step, 0-1: 0.2 = ±20 %), mini_batches,"
+        " epochs, train_micro_batch, forward_micro_batch; multi-turn: turns, obs_len, env_latency_s;"
+        " lengths_from=RUN_DIR: the lengths a run measured.",
     ),
 ]
 PinOpt = Annotated[
@@ -229,10 +232,8 @@ def plan(
         typer.echo(p.to_json())
     else:
         typer.echo(format_plan(p), nl=False)
-        if p.staleness:
-            typer.echo(
-                _beside_lock_step(p, _plan(file, overrides, model, cluster, workload, lock_step_pins, plan_file, for_run)[0])
-            )
+        if p.staleness and not plan_file:  # (a saved plan is printed as saved: its decisions, not another search's)
+            typer.echo(_beside_lock_step(p, _plan(file, overrides, model, cluster, workload, lock_step_pins, None, for_run)[0]))
         for n in req.notes or []:
             err_console.print(f"note: {escape(n)}")
         err_console.print(f"planned in {time.perf_counter() - t0:.2f} s")

@@ -49,14 +49,20 @@ def measured(run_dir: Path) -> Measured:
             f"{KEY}={run_dir}: not a run directory (no metrics.jsonl and plan.json)",
             fix="give the folder `flowc run --out` wrote",
         )
-    limit = int(json.loads(plan.read_text())["workload"]["response_len"])
+    try:
+        limit = int(json.loads(plan.read_text())["workload"]["response_len"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise SpecError(
+            f"{KEY}={run_dir}: its plan.json holds no workload.response_len ({type(e).__name__}: {e})",
+            fix="give the folder `flowc run --out` wrote, with its plan.json as the run wrote it",
+        ) from None
     rows = []
     for line in metrics.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line being written
-        if "response_length/mean" in row and "step_s" in row:
+        if "response_length/mean" in row and "step_s" in row and _finite(row["response_length/mean"]):
             rows.append(row)
     if not rows:
         raise SpecError(
@@ -65,6 +71,12 @@ def measured(run_dir: Path) -> Measured:
         )
     last = rows[-LAST_STEPS:]
     mean = statistics.median(float(r["response_length/mean"]) for r in last)
+    if mean < 1.0:
+        raise SpecError(
+            f"{KEY}={run_dir}: its last steps' responses averaged {mean:g} tokens — less than one; the run sampled"
+            " (almost) nothing to plan lengths from",
+            fix="use a run whose responses have tokens (check its sampling settings and stop strings)",
+        )
     steps = f"step {last[0]['step']}" if len(last) == 1 else f"steps {last[0]['step']}-{last[-1]['step']}"
     mean = min(max(mean, 1.0), float(limit))
     pct = _percentiles(last, float(limit))
@@ -75,21 +87,30 @@ def measured(run_dir: Path) -> Measured:
         p90 = [float(r["response_length/p90"]) for r in last if "response_length/p90" in r]
         shape = f", p90 {statistics.median(p90):.0f}" if p90 else ""
     cv = step_cv([float(r["response_length/mean"]) for r in last])
-    varies = f", step means ±{cv:.1%}" if cv is not None else ""
+    varies = ""
+    if cv is not None:
+        varies = f", step means ±{cv:.1%}" + (" (priced as ±100%, the most the workload takes)" if cv > 1.0 else "")
+        cv = min(cv, 1.0)
     note = f"mean_response_len={mean:.1f}: measured by {run_dir} (median of {steps}{shape}{varies}; limit {limit})"
     return Measured(mean, pct, limit, note, cv)
 
 
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def step_cv(means: list[float]) -> float | None:
-    """How much consecutive steps' means differ, as a share of their mean: the von Neumann
-    estimate ``√(Σ(xᵢ₊₁ − xᵢ)² / 2(n − 1))`` of the standard deviation, which a steady drift of
-    the lengths (a policy learning to answer longer) barely moves; at most 1. None for fewer
-    than 3 steps."""
+    """How much a step's mean differs from the last one's beyond the run's drift, as a share of
+    the mean: the standard deviation of the successive differences about their mean (the drift:
+    a policy learning to answer longer), over √2 — for independent steps that is their standard
+    deviation, and a steady drift adds nothing to it. Uncapped (the workload takes at most 1).
+    None for fewer than 3 steps."""
     if len(means) < 3:
         return None
-    sd = math.sqrt(sum((b - a) ** 2 for a, b in itertools.pairwise(means)) / (2 * (len(means) - 1)))
+    diffs = [b - a for a, b in itertools.pairwise(means)]
+    sd = statistics.stdev(diffs) / math.sqrt(2.0)
     avg = statistics.fmean(means)
-    return min(sd / avg, 1.0) if avg > 0 else None
+    return sd / avg if avg > 0 else None
 
 
 def _percentiles(rows: list[dict], limit: float) -> tuple[float, ...] | None:
@@ -112,7 +133,7 @@ def expand(text: str | None) -> tuple[str | None, list[str]]:
         return text, []
     words = [w for w in text.replace(" ", ",").split(",") if w]
     given = dict(w.split("=", 1) for w in words if "=" in w)
-    for own in ("mean_response_len", "response_percentiles"):
+    for own in ("mean_response_len", "response_percentiles", "mean_response_cv"):
         if own in given:
             raise SpecError(
                 f"--workload gives both {own} and {KEY}",
@@ -130,7 +151,7 @@ def expand(text: str | None) -> tuple[str | None, list[str]]:
     kept.append(f"mean_response_len={got.mean:.6g}")
     if got.percentiles is not None:
         kept.append("response_percentiles=" + "/".join(f"{x:g}" for x in got.percentiles))
-    if got.cv is not None and "mean_response_cv" not in given:
+    if got.cv is not None:
         kept.append(f"mean_response_cv={got.cv:.3g}")
     return ",".join(kept), [got.note]
 

@@ -206,6 +206,7 @@ def maybe_replan(req: RunRequest, p: Prepared, ctl: Any, current: Plan, step: in
         return current
     measured = min(max(raw, 1.0), float(wl.response_len))  # what the plan can price: 1 … response_len tokens
     cv = step_cv([float(r["response_length/mean"]) for r in rows if isinstance(r.get("response_length/mean"), (int, float))])
+    cv = None if cv is None else min(cv, 1.0)  # (the most the workload takes)
     moved = at_length(wl, measured, cv)
     if abs(measured / planned_length(wl) - 1.0) <= cfg.replan_drift:
         return current

@@ -62,7 +62,13 @@ class WorkloadSpec(BaseModel):
     response_len: int = Field(1024, ge=1)
     mean_response_len: float | None = Field(None, gt=0)
     response_percentiles: tuple[float, float, float, float, float] | None = None
-    mean_response_cv: float = Field(0.0, ge=0.0, le=1.0)
+    mean_response_cv: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="how much a step's mean response length varies from step to step, as a share of the mean,"
+        " from 0 to 1 (0.2: ±20 %); lengths_from=RUN_DIR measures it",
+    )
     mini_batches: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)
     train_micro_batch: int | None = Field(None, ge=1)
@@ -133,4 +139,6 @@ class WorkloadSpec(BaseModel):
             loc = ".".join(str(x) for x in err["loc"])
             fields = ", ".join(cls.model_fields)
             where = f"workload {loc}" if loc else "workload"
-            raise SpecError(f"{where}: {err['msg'].removeprefix('Value error, ')}", fix=f"workload fields: {fields}") from e
+            field = cls.model_fields.get(loc)
+            fix = f"{loc} is {field.description}" if field is not None and field.description else f"workload fields: {fields}"
+            raise SpecError(f"{where}: {err['msg'].removeprefix('Value error, ')}", fix=fix) from e

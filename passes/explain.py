@@ -238,8 +238,9 @@ def dynamic_sampling_notes(g: FlowGraph) -> list[str]:
     return out
 
 
-def pipelined_note(k: int, plan_body: dict) -> list[str]:
-    """What running the rollouts ``k`` versions ahead buys on the chosen placement, and its bound."""
+def pipelined_note(k: int, plan_body: dict, bound_k: int | None = None) -> list[str]:
+    """What running the rollouts ``k`` versions ahead buys on the chosen placement, and its bound
+    (``bound_k``: the flow's ``max_staleness``, which limits the advice)."""
     pred = plan_body["predicted"]
     if not k or not pred.iteration_s:
         return []
@@ -269,37 +270,65 @@ def pipelined_note(k: int, plan_body: dict) -> list[str]:
     return [
         f"{head}: {steady:.2f} s per step in the steady state at the mean lengths — {bound} — against {it:.2f} s for one"
         f" lock-step iteration on this placement ({gain}{', with the variation below' if step > steady * 1.001 else ''})."
-        + variation_note(k, pred)
+        + variation_note(k, pred, _generation_bound(plan_body, steady), bound_k)
     ]
 
 
-def variation_note(k: int, pred) -> str:
+def _generation_bound(plan_body: dict, steady: float) -> bool:
+    """Whether the steady step's period follows its generates: a pool that generates is busy all of
+    the step, or ops of the step itself run on it after the generate (they wait behind it)."""
+    entries = plan_body.get("steady_state", [])
+    gen_end: dict[str, float] = {}
+    for e in entries:
+        if e.phase == "generate" and e.pool:
+            gen_end[e.pool] = max(gen_end.get(e.pool, 0.0), e.end_s)
+    behind = any(
+        e.pool in gen_end and e.phase not in ("generate", "sync") and e.start_s >= gen_end[e.pool] - 1e-6 for e in entries
+    )
+    return behind or any(p.name in gen_end and p.busy_s >= steady * 0.999 for p in plan_body["pools"])
+
+
+def variation_note(k: int, pred, generation_bound: bool = False, bound_k: int | None = None) -> str:
     """What the step-to-step variation of generation costs the loop at staleness ``k`` (its mean
-    period over the period at the mean lengths), and what a larger K does about it."""
+    period over the period at the mean lengths), and what a larger K does about it
+    (``generation_bound``: a generating pool is busy all of the step; ``bound_k``: the flow's
+    ``max_staleness``)."""
     steady = pred.steady_step_s
     if steady is None or pred.step_time_s <= steady * 1.001:
+        if k <= 1:
+            return ""
+        if generation_bound:
+            return (
+                " Generation's variation from step to step costs this loop nothing on average: the step waits for its"
+                " generating pool (busy all of the step, or with ops of the step queued behind the generate), so the"
+                " period follows the generate's mean (a slow one is made up by a fast one) — a larger K does not"
+                " change that."
+            )
         return (
             f" Slow generates cost this loop nothing on average: the rollouts issued up to {k} steps ahead absorb"
             " them, where generation varies from step to step."
-            if k > 1
-            else ""
         )
     extra = pred.step_time_s - steady
-    cure = (
-        "; a staleness of 2 or more absorbs slow generates in the rollouts issued further ahead, unless the step's"
-        " own ops wait behind them on the generation pool"
-        if k == 1
-        else f"; the rollouts issued up to {k} steps ahead absorb a slow generate, not a run of them, nor one that the"
-        " step's own ops on the generation pool wait behind"
-    )
+    if k == 1:
+        cure = (
+            "; a staleness of 2 or more absorbs slow generates in the rollouts issued further ahead, unless the step's"
+            " own ops wait behind them on the generation pool"
+        )
+        if bound_k is not None and bound_k < 2:
+            cure += f" (this flow declares max_staleness={bound_k}: raise it to let the planner price 2)"
+    else:
+        cure = (
+            f"; the rollouts issued up to {k} steps ahead absorb a slow generate, not a run of them, nor one that the"
+            " step's own ops on the generation pool wait behind"
+        )
     return (
         f" Generation varies from step to step (the batch's longest response, the step's mean length): {steady:.2f} s a"
         f" step at the mean lengths, +{extra:.2f} s ({extra / steady:.1%}) on average when a slow generate holds the trainer{cure}."
     )
 
 
-def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
-    """Sentences that explain the winner."""
+def why(ctx: PlanContext, result: SearchResult, plan_body: dict, bound_k: int | None = None) -> list[str]:
+    """Sentences that explain the winner (``bound_k``: the flow's ``max_staleness``)."""
     best = result.ranked[0]
     lines: list[str] = []
     n_parts = len(result.per_partition) + len(result.infeasible)
@@ -308,7 +337,7 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict) -> list[str]:
         f"{len(result.infeasible)} co-locations cannot fit."
     )
     lines.append(f"Chosen: {describe(best)} — {best.step:.2f} s per step.")
-    lines += pipelined_note(ctx.pins.staleness or 0, plan_body)
+    lines += pipelined_note(ctx.pins.staleness or 0, plan_body, bound_k)
     runner = next((c for p, c in sorted(result.per_partition.items(), key=lambda kv: kv[1].step) if p != best.partition), None)
     if runner is not None:
         lines.append(f"Next best co-location: {describe(runner)} — {why_slower(runner, best)}.")

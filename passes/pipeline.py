@@ -122,7 +122,7 @@ def assemble_plan(g: FlowGraph, ctx: PlanContext) -> FlowGraph:
         target=ctx.target,
         graph=to_dict(ctx.planned),
         alternatives=alternatives(ctx, result),
-        why=why(ctx, result, body) + dynamic_sampling_notes(g),
+        why=why(ctx, result, body, g.max_staleness) + dynamic_sampling_notes(g),
         pins=ctx.pins.summary(),
         staleness=k,
         search={
@@ -225,7 +225,7 @@ def _default_staleness_line(g: FlowGraph) -> str:
         return f"Staleness: 0, lock-step (the default) — this flow cannot run ahead: {_reason(e)}."
     return (
         "Staleness: 0, lock-step (the default) — the flow's loss corrects for off-policy samples, so it could run ahead:"
-        " --staleness auto (or @fc.flow(max_staleness=1)) lets the planner price it with the placement."
+        " --staleness auto (or @fc.flow(max_staleness=2)) lets the planner price it (K = 1 or 2) with the placement."
     )
 
 
@@ -299,7 +299,12 @@ def choose_staleness(
     if reason is not None:
         line = f"Staleness (auto): 0, lock-step — {reason}."
     else:
-        each = ", ".join(f"{k} → {r[0].predicted.step_time_s:.3g} s" for k, r in tried.items())
+        fastest = min(r[0].predicted.step_time_s for r in tried.values())
+
+        def over(t: float) -> str:
+            return f" (+{t / fastest - 1:.1%})" if t > fastest * (1 + 5e-4) else ""
+
+        each = ", ".join(f"{k} → {r[0].predicted.step_time_s:,.2f} s{over(r[0].predicted.step_time_s)}" for k, r in tried.items())
         within = f", within the flow's max_staleness={bound}" if bound is not None else ""
         line = (
             f"Staleness (auto{within}): {k} — step time by staleness: {each}; the smallest within"

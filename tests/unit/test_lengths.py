@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -36,16 +38,18 @@ def test_the_mean_is_the_median_of_the_last_steps_and_the_limit_must_match(tmp_p
     means = [24.0] * 5 + [float(x) for x in range(4, 4 + LAST_STEPS)]  # early steps run long, the last ten are 4..13
     run = fake_run(tmp_path, means)
     words, notes = expand(f"prompts=8,response_len=24,lengths_from={run}")
-    assert words == "prompts=8,response_len=24,mean_response_len=8.5,mean_response_cv=0.0832"  # √(9/18)/8.5
+    assert words == "prompts=8,response_len=24,mean_response_len=8.5,mean_response_cv=0"  # a steady drift: no variation
     (note,) = notes
     assert "mean_response_len=8.5: measured by" in note and "steps 6-15" in note and "p90 12" in note and "limit 24" in note
-    assert "step means ±8.3%" in note
+    assert "step means ±0.0%" in note
     assert expand("prompts=8,response_len=24") == ("prompts=8,response_len=24", [])
     with pytest.raises(SpecError, match="sampled under response_len=24, this workload's is 48") as e:
         expand(f"response_len=48,lengths_from={run}")
     assert "response_len=24" in e.value.fix
     with pytest.raises(SpecError, match="both mean_response_len and lengths_from"):
         expand(f"response_len=24,mean_response_len=3,lengths_from={run}")
+    with pytest.raises(SpecError, match="both mean_response_cv and lengths_from"):
+        expand(f"response_len=24,mean_response_cv=0.3,lengths_from={run}")
     with pytest.raises(SpecError, match="not a run directory"):
         expand(f"response_len=24,lengths_from={tmp_path / 'nowhere'}")
     empty = tmp_path / "empty"
@@ -110,7 +114,7 @@ def test_the_measured_shape_is_the_median_percentiles_made_ascending(tmp_path):
     ]  # fmt: skip
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     words, (note,) = expand(f"response_len=24,lengths_from={run}")
-    assert words == "response_len=24,mean_response_len=8,response_percentiles=2/6/6/20/24,mean_response_cv=0.0884"
+    assert words == "response_len=24,mean_response_len=8,response_percentiles=2/6/6/20/24,mean_response_cv=0"
     assert "min/p50/p90/p99/max 2/6/6/20/24" in note
     with pytest.raises(SpecError, match="both response_percentiles and lengths_from"):
         expand(f"response_len=24,response_percentiles=1/2/3/4/5,lengths_from={run}")
@@ -134,14 +138,40 @@ def test_a_measured_long_tail_costs_generation_time(tmp_path):
     assert gen["tail"] > 1.5 * gen["even"], gen
 
 
-def test_the_step_to_step_variation_is_from_successive_differences():
-    """A steady drift of the means (a policy learning to answer longer) is barely variation; steps
-    that alternate are; a flat run has none; two steps say nothing."""
+def test_the_step_to_step_variation_is_from_successive_differences(tmp_path):
+    """Independent steps: their standard deviation; a steady drift of the means (a policy learning
+    to answer longer) is no variation at all; a flat run has none; two steps say nothing. Above
+    100 % the workload takes 100 % and the note says so."""
     assert step_cv([10.0, 10.0, 10.0]) == 0.0
-    assert step_cv([8.0, 12.0] * 5) == pytest.approx(math.sqrt(16 * 9 / 18) / 10)  # 0.4
-    assert step_cv([float(x) for x in range(100, 110)]) == pytest.approx(math.sqrt(9 / 18) / 104.5)  # 0.7 %
+    assert step_cv([float(x) for x in range(100, 1100, 100)]) == 0.0  # +100 a step, every step
+    diffs = [4.0, -4.0] * 4 + [4.0]
+    assert step_cv([8.0, 12.0] * 5) == pytest.approx(statistics.stdev(diffs) / math.sqrt(2) / 10)  # ±3.7 of 10
+    rng = random.Random(0)
+    noisy = [1000 + 100 * rng.gauss(0, 1) for _ in range(4000)]
+    assert step_cv(noisy) == pytest.approx(0.1, rel=0.05)  # the steps' own spread
+    drifting = [m + 0.5 * i for i, m in enumerate(noisy)]
+    # the drift leaves the steps' spread alone (only the mean it is a share of grows)
+    assert step_cv(drifting) == pytest.approx(step_cv(noisy) * statistics.fmean(noisy) / statistics.fmean(drifting), rel=1e-9)
     assert step_cv([1.0, 2.0]) is None
-    assert step_cv([1.0, 1000.0, 1.0]) == 1.0  # at most 1
+    run = fake_run(tmp_path, [100.0, 4000.0] * 5, limit=4096)
+    words, (note,) = expand(f"response_len=4096,lengths_from={run}")
+    assert words.endswith(",mean_response_cv=1") and "(priced as ±100%, the most the workload takes)" in note
+
+
+def test_an_unreadable_run_is_refused_with_what_is_wrong(tmp_path):
+    run = fake_run(tmp_path, [float("nan")] + [12.0] * 5)  # a non-finite mean (json writes NaN) is skipped
+    words, _ = expand(f"response_len=24,lengths_from={run}")
+    assert "mean_response_len=12," in words
+    (run / "plan.json").write_text("{")
+    with pytest.raises(SpecError, match=r"its plan\.json holds no workload\.response_len"):
+        expand(f"response_len=24,lengths_from={run}")
+    (run / "plan.json").write_text(json.dumps({"workload": {}}))
+    with pytest.raises(SpecError, match=r"its plan\.json holds no workload\.response_len"):
+        expand(f"response_len=24,lengths_from={run}")
+    (tmp_path / "z").mkdir()
+    empty = fake_run(tmp_path / "z", [0.0] * 5)
+    with pytest.raises(SpecError, match="averaged 0 tokens — less than one"):
+        expand(f"response_len=24,lengths_from={empty}")
 
 
 def test_percentiles_are_nearest_rank():

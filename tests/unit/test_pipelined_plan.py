@@ -176,7 +176,7 @@ def test_a_clipped_loss_without_old_logprobs_cannot_run_ahead(tmp_path):
     assert _plan(g, []).staleness == 0  # lock-step it plans
 
 
-def test_flowc_plan_staleness_prints_the_lock_step_plan_beside_it():
+def test_flowc_plan_staleness_prints_the_lock_step_plan_beside_it(tmp_path):
     """`flowc plan --staleness 1`: the pipelined plan, its why, and the best lock-step plan's step
     time beside it; a flow whose loss does not correct for stale samples is refused with the fix."""
     import subprocess
@@ -203,6 +203,13 @@ def test_flowc_plan_staleness_prints_the_lock_step_plan_beside_it():
     assert "actor.gen ×" in ahead and "×32" in lock  # separate pools ahead, everything shared in lock-step
     gain = float(r.stdout.rsplit("→ ", 1)[1].split("×")[0])
     assert gain == pytest.approx(per_step(lock) / per_step(ahead), rel=0.01) and gain > 1.0
+    saved = tmp_path / "pipelined.json"
+    assert cli("plan", "examples/grpo_async.py", *small, "--staleness", "1", "-o", str(saved)).returncode == 0
+    again = cli("plan", "examples/grpo_async.py", "--plan", str(saved))
+    assert again.returncode == 0, again.stderr
+    # a saved pipelined plan reproduces itself: printed as saved, with no lock-step search held against it
+    assert "changed" not in again.stderr and "beside lock-step" not in again.stdout
+    assert per_step(next(ln for ln in again.stdout.splitlines() if ln.startswith("predicted:"))) == per_step(ahead)
     refused = cli("plan", "examples/grpo.py", *small, "--staleness", "1")
     assert refused.returncode != 0
     assert "assumes on-policy samples" in refused.stderr and "decoupled_ppo" in refused.stderr

@@ -183,3 +183,33 @@ def test_auto_staleness_takes_k2_where_measured_step_variation_holds_the_trainer
     assert "a staleness of 2 or more absorbs slow generates" in " ".join(varied["1"].why)
     assert plan(0.0, "auto").staleness == 1
     assert math.isclose(plan(0.0, "1").predicted.step_time_s, k2.step_time_s, rel_tol=0.01)
+
+
+def test_why_says_when_a_deeper_buffer_absorbs_the_variation_and_when_nothing_can(graph, tmp_path):
+    """At K = 2 the variation may cost nothing for two opposite reasons, and why tells them apart:
+    the buffer absorbs slow generates (the trainer is the busier pool), or the step waits for its
+    generate anyway (the reference model queued behind it on its pool: the period follows the
+    generate's mean). At K = 1 the advice to raise K respects the flow's declared bound."""
+    m = ModelSpec.resolve("qwen2.5-7b")
+    cluster = ClusterSpec.parse("4x8xH100")
+    wl = WorkloadSpec(prompts=512, prompt_len=512, response_len=16384, mean_response_len=2000, mean_response_cv=0.2)
+
+    def why(g, pins: list[str]) -> str:
+        return " ".join(make_plan(g, {"actor": m, "ref": m}, cluster, wl, parse_pins(pins))[0].why)
+
+    assert "the rollouts issued up to 2 steps ahead absorb them" in why(graph, ["staleness=2"])
+    queued = why(graph, ["staleness=2", "colocate=actor.gen,ref;actor.train"])
+    assert "period follows the generate's mean" in queued and "absorb them" not in queued
+    assert "raise it" not in why(graph, ["staleness=1"])
+    path = tmp_path / "bounded.py"
+    path.write_text(DECOUPLED_FLOW.replace("{loss}", "decoupled_ppo(0.2)").replace("@fc.flow", "@fc.flow(max_staleness=1)"))
+    bounded = load_flow(str(path)).trace()
+    assert "this flow declares max_staleness=1: raise it to let the planner price 2" in why(bounded, ["staleness=1"])
+
+
+def test_a_bad_variation_says_what_the_key_means():
+    from flowc.errors import SpecError
+
+    with pytest.raises(SpecError, match="less than or equal to 1") as e:
+        WorkloadSpec.parse("prompts=8,mean_response_cv=1.5")
+    assert "from 0 to 1 (0.2: ±20 %)" in e.value.fix
