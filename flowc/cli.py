@@ -167,6 +167,36 @@ def _plan(file: str, overrides, model, cluster, workload, pin, plan_file, for_ru
     return plan, planned, ctx, req
 
 
+StalenessOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--staleness",
+        help="Plan a loop whose rollouts lag the trainer by up to K weight versions (its steady state); "
+        "auto: the planner chooses K. Same as --pin staleness=K.",
+    ),
+]
+
+
+def _with_staleness(pin: list[str] | None, staleness: str | None) -> list[str] | None:
+    """``pin`` with ``--staleness K`` added as ``staleness=K``: K checked here, so that a bad one is
+    named as the option the user gave, and refused where a pin already says another."""
+    if staleness is None:
+        return pin
+    from flowc.ir.run_config import MAX_STALENESS
+    from flowc.passes.pins import parse_pins
+
+    k = staleness.strip().lower()
+    if k != "auto" and not (k.isdigit() and int(k) <= MAX_STALENESS):
+        raise FlowcError(
+            f"--staleness {staleness!r}: not a staleness",
+            fix=f"give a whole number of weight versions from 0 to {MAX_STALENESS} (0: lock-step), or auto",
+        )
+    pinned = parse_pins(pin or []).staleness
+    if pinned is not None and str(pinned) != k:
+        raise FlowcError(f"--staleness {staleness} contradicts --pin staleness={pinned}", fix="give the staleness once")
+    return [*(pin or []), f"staleness={k}"]
+
+
 @app.command()
 def plan(
     file: FileArg,
@@ -209,8 +239,7 @@ def plan(
 
     t0 = time.perf_counter()
     lock_step_pins = [*(pin or []), "staleness=0"]  # the comparison's: the user's pins, lock-step (last wins)
-    if staleness:
-        pin = [*(pin or []), f"staleness={staleness}"]
+    pin = _with_staleness(pin, staleness)
     if _previews_run(cluster, model, plan_file) or data or config or sets or reward or rollout:
         if plan_file:
             raise FlowcError(
@@ -299,12 +328,14 @@ def export(
     output: Annotated[
         str | None, typer.Option("--output", "-o", help="Where to write; default: stdout (html/svg: FLOW.FORMAT).")
     ] = None,
+    staleness: StalenessOpt = None,
 ) -> None:
     """Draw the plan: placement over time, the annotated dataflow graph, memory per device, the timeline."""
     from pathlib import Path
 
     from flowc.export import render
 
+    pin = _with_staleness(pin, staleness)
     p, planned, _, _ = _plan(file, overrides, model, cluster, workload, pin, plan_file, for_run)
     text = render(p, planned, fmt.value)
     if output is None and fmt.value in ("html", "svg"):

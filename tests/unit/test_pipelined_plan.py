@@ -213,6 +213,15 @@ def test_flowc_plan_staleness_prints_the_lock_step_plan_beside_it(tmp_path):
     refused = cli("plan", "examples/grpo.py", *small, "--staleness", "1")
     assert refused.returncode != 0
     assert "assumes on-policy samples" in refused.stderr and "decoupled_ppo" in refused.stderr
+    # --staleness is checked as the option the user gave, and never contradicts a pin silently
+    bad = cli("plan", "examples/grpo_async.py", *small, "--staleness", "3x")
+    assert bad.returncode != 0 and "--staleness '3x': not a staleness" in bad.stderr
+    both = cli("plan", "examples/grpo_async.py", *small, "--staleness", "1", "--pin", "staleness=2")
+    assert both.returncode != 0 and "contradicts --pin staleness=2" in both.stderr
+    drawn = tmp_path / "pipelined.html"  # export takes it too: the timeline of two consecutive iterations
+    r = cli("export", "examples/grpo_async.py", *small, "--staleness", "1", "-f", "html", "-o", str(drawn))
+    assert r.returncode == 0, r.stderr
+    assert "[s+1]" in drawn.read_text()
 
 
 def test_auto_staleness_takes_the_smallest_k_within_tolerance_of_the_fastest(graph):
