@@ -108,9 +108,10 @@ WorkloadOpt = Annotated[
         "--workload",
         "-w",
         help="k=v,…: prompts, prompt_len, response_len, mean_response_len, response_percentiles (MIN/P50/P90/P99/MAX),"
-        " mean_response_cv (how much a step's mean length varies from step to step, 0-1: 0.2 = ±20 %), mini_batches,"
+        " mean_response_cv (how much a step's mean length varies from step to step, 0-1: 0.2 = ±20 %),"
+        " idle_rows (the share of update rows with zero advantages, 0-1), mini_batches,"
         " epochs, train_micro_batch, forward_micro_batch; multi-turn: turns, obs_len, env_latency_s;"
-        " lengths_from=RUN_DIR: the lengths a run measured.",
+        " lengths_from=RUN_DIR: the lengths (and idle rows) a run measured.",
     ),
 ]
 PinOpt = Annotated[
@@ -457,10 +458,10 @@ def report(
     """Draw a run's curves (reward, accuracy, KL, predicted vs measured time per op; for a pipelined
     run its staleness, importance ratios and pools; for a multi-turn run its turns, tool use and
     environment errors) to PNG, and print the pipeline's and the agents' figures."""
-    from flowc.report import agent_summary, draw, pipeline_summary
+    from flowc.report import agent_summary, draw, idle_summary, pipeline_summary
 
     path = draw(run_dir, output)
-    for summary in (pipeline_summary(run_dir), agent_summary(run_dir)):
+    for summary in (idle_summary(run_dir), pipeline_summary(run_dir), agent_summary(run_dir)):
         if summary:
             typer.echo(summary)
     typer.echo(f"wrote {path}")

@@ -61,6 +61,8 @@ def compile_plan(
     pins = runtime_pins(kind).merged(user)
     if loras:  # only fsdp2 trains LoRA adapters: the planner chooses among its layouts for those roles
         pins = pins.merged(parse_pins([f"{r}.train.backend=fsdp2" for r in loras]))
+    if workload.idle_rows and not config.skip_idle_rows:  # the run computes every row: priced so
+        workload = workload.model_copy(update={"idle_rows": 0.0})
     candidates = [cluster]
     if split_local:
         cores = os.cpu_count() or 1

@@ -9,7 +9,8 @@ distribution's shape from the same steps' ``min``, ``p50``, ``p90``, ``p99`` and
 the median over those steps, made ascending) as ``response_percentiles``: generation is priced
 over it, its long tail included; and how much the steps' means varied from one step to the next
 as ``mean_response_cv`` (from successive differences, so that a drift over the steps is not
-counted as variation), which a pipelined loop's period prices. The run must have sampled under
+counted as variation), which a pipelined loop's period prices; and, where its updates left out rows
+whose advantages were all zero, their median share as ``idle_rows``. The run must have sampled under
 the same response limit, or its lengths say nothing about this one.
 """
 
@@ -29,6 +30,7 @@ LAST_STEPS = 10
 KEY = "lengths_from"
 #: the statistics of a step's response lengths that make the distribution's shape
 SHAPE = ("min", "p50", "p90", "p99", "max")
+MAX_IDLE = 0.99  # the most idle_rows taken from a run (the workload's is below 1)
 
 
 class Measured(NamedTuple):
@@ -39,6 +41,7 @@ class Measured(NamedTuple):
     limit: int  # the response limit they were sampled under
     note: str  # what the planner says about where they came from
     cv: float | None = None  # how much the steps' means vary, over the mean (at least 3 steps)
+    idle: float | None = None  # the share of an update's rows left out with zero advantages, where recorded
 
 
 def measured(run_dir: Path) -> Measured:
@@ -91,8 +94,25 @@ def measured(run_dir: Path) -> Measured:
     if cv is not None:
         varies = f", step means ±{cv:.1%}" + (" (priced as ±100%, the most the workload takes)" if cv > 1.0 else "")
         cv = min(cv, 1.0)
+    idle = _idle_rows(last)
+    if idle is not None:
+        varies += f", {idle:.0%} of update rows with zero advantages"
     note = f"mean_response_len={mean:.1f}: measured by {run_dir} (median of {steps}{shape}{varies}; limit {limit})"
-    return Measured(mean, pct, limit, note, cv)
+    return Measured(mean, pct, limit, note, cv, idle)
+
+
+def _idle_rows(rows: list[dict]) -> float | None:
+    """The median over ``rows`` of the share of an update's rows left out with zero advantages
+    (``ROLE/idle_rows``: the most of any role a step reports); None where no step recorded it (a
+    run that computed every row). Kept below 1 (the workload's bound: an update computes a row)."""
+    got = []
+    for r in rows:
+        shares = [float(v) for k, v in r.items() if k.endswith("/idle_rows") and _finite(v)]
+        if shares:
+            got.append(max(shares))
+    if not got:
+        return None
+    return min(statistics.median(got), MAX_IDLE)
 
 
 def _finite(v: object) -> bool:
@@ -133,7 +153,7 @@ def expand(text: str | None) -> tuple[str | None, list[str]]:
         return text, []
     words = [w for w in text.replace(" ", ",").split(",") if w]
     given = dict(w.split("=", 1) for w in words if "=" in w)
-    for own in ("mean_response_len", "response_percentiles", "mean_response_cv"):
+    for own in ("mean_response_len", "response_percentiles", "mean_response_cv", "idle_rows"):
         if own in given:
             raise SpecError(
                 f"--workload gives both {own} and {KEY}",
@@ -153,6 +173,8 @@ def expand(text: str | None) -> tuple[str | None, list[str]]:
         kept.append("response_percentiles=" + "/".join(f"{x:g}" for x in got.percentiles))
     if got.cv is not None:
         kept.append(f"mean_response_cv={got.cv:.3g}")
+    if got.idle is not None:
+        kept.append(f"idle_rows={got.idle:.3g}")
     return ",".join(kept), [got.note]
 
 

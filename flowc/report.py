@@ -153,6 +153,17 @@ def _means(rows: list[dict[str, Any]], keep: Any) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sorted(acc.items())}
 
 
+def idle_summary(run_dir: str | Path) -> str:
+    """How many of each update's rows the run left out, their advantages all zero (``ROLE/idle_rows``,
+    ``RunConfig.skip_idle_rows``); empty for a run that left none out."""
+    means = _means([r for r in load_metrics(run_dir) if "step_s" in r], lambda k: k.endswith("/idle_rows"))
+    if not any(means.values()):
+        return ""
+    lines = ["update rows left out, their advantages all zero (mean over steps; the same gradient, not computed):"]
+    lines += [f"  {k.rsplit('/', 1)[0]}: {v:.0%} of its rows" for k, v in means.items()]
+    return "\n".join(lines)
+
+
 def pipeline_summary(run_dir: str | Path) -> str:
     """The pipeline's figures of a run in text: the staleness histogram over its steps, the
     importance-ratio statistics of its corrections and the rollout/trainer mismatch, and each

@@ -192,6 +192,26 @@ def aggregate(
     raise ValueError(f"unknown aggregation mode {mode!r}; use one of {', '.join(AGG_MODES)}")
 
 
+def idle_without_advantage(loss: object, *, kl_coef: float, entropy_coef: float, ref_logprobs: bool) -> bool:
+    """Whether an update with ``loss`` may leave out the rows whose advantages are zero on every
+    response token (a GRPO group whose rewards are all equal) and get the same gradient: every term
+    of a policy loss is a token's advantage times a factor (:func:`policy_loss`: the clipped
+    surrogate, dual clip, GSPO's ratio and the importance weights included), so such a row adds
+    zero to the objective and to its gradient — unless the objective also has an entropy bonus
+    (``entropy_coef``) or a KL term (``kl_coef`` with ``ref_logprobs``), which every row adds to.
+    The denominators stay those of every row (the runtime counts them before it leaves any out)."""
+    if not isinstance(loss, (PPOClip, PolicyGradient)):
+        return False
+    return entropy_coef == 0.0 and not (kl_coef and ref_logprobs)
+
+
+def idle_rows(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: the rows whose advantages (per sequence ``[N]`` or per token ``[N, R]``) are
+    exactly zero on every response token under ``mask``."""
+    live = (broadcast_advantages(adv, mask) != 0) & mask.bool()
+    return ~live.any(-1)
+
+
 def denominator_kind(mode: str) -> str:
     """What ``aggregate``'s denominator counts for ``mode``: tokens or sequences."""
     return "tokens" if _AGG_ALIASES.get(mode, mode) == "token-mean" else "sequences"

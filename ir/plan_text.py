@@ -45,6 +45,8 @@ def _lengths(w: dict) -> str:
         parts.append("min/p50/p90/p99/max " + "/".join(f"{x:g}" for x in w["response_percentiles"]))
     if w.get("mean_response_cv"):
         parts.append(f"step means ±{w['mean_response_cv'] * 100:.0f} %")
+    if w.get("idle_rows"):
+        parts.append(f"{w['idle_rows'] * 100:.0f} % of rows with zero advantages")
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -135,6 +135,11 @@ class RunConfig(BaseModel):
             ``flowc.replan``).
         replan_drift: how far the measured mean response length may drift from the plan's
             before a re-plan (0.25: 25 %).
+        skip_idle_rows: an update whose loss adds nothing for a row with zero advantages (a policy
+            loss without an entropy bonus or a KL term: ``ir.losses.idle_without_advantage``) does
+            not compute those rows — a GRPO group whose rewards are all equal — and gets the same
+            gradient (the metric ``idle_rows`` is their share; entropy, clip fraction and the
+            rollout/trainer mismatch are then over the rows computed). False: compute every row.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -163,6 +168,7 @@ class RunConfig(BaseModel):
     staleness: Annotated[int, Field(ge=0, le=MAX_STALENESS)] | Literal["auto"] = 0
     replan_every: int = Field(0, ge=0)
     replan_drift: float = Field(0.25, gt=0)
+    skip_idle_rows: bool = True
 
     def optim_for(self, role: str) -> OptimConfig:
         return self.optim.get(role, self.default_optim)

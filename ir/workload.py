@@ -43,6 +43,10 @@ class WorkloadSpec(BaseModel):
             share of the mean (its standard deviation over the mean; what ``lengths_from=RUN_DIR``
             measures). A pipelined loop's period prices it, with the variation of each step's
             longest response, which the distribution gives (0: only that).
+        idle_rows: the share of an update's rows whose advantages are all zero (a GRPO group whose
+            rewards are all equal: all right or all wrong). An update whose loss adds nothing for
+            them (``ir.losses.idle_without_advantage``) computes only the rest, and is priced so;
+            what ``lengths_from=RUN_DIR`` measures (the metric ``ROLE/idle_rows``).
         mini_batches: optimizer updates per step per epoch (PPO mini-batches).
         epochs: passes over the rollout per step.
         train_micro_batch: sequences per device per micro-step of training
@@ -68,6 +72,13 @@ class WorkloadSpec(BaseModel):
         le=1.0,
         description="how much a step's mean response length varies from step to step, as a share of the mean,"
         " from 0 to 1 (0.2: ±20 %); lengths_from=RUN_DIR measures it",
+    )
+    idle_rows: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="the share of an update's rows whose advantages are all zero (GRPO groups whose rewards are all"
+        " equal), from 0 to below 1; an update whose loss adds nothing for them skips them; lengths_from=RUN_DIR measures it",
     )
     mini_batches: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)

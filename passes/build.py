@@ -328,12 +328,15 @@ def timeline(
 def predicted(
     g: FlowGraph, ctx: PlanContext, step_s: float, iteration_s: float | None = None, steady_s: float | None = None
 ) -> Predicted:
-    """Throughput and MFU of the step: the policy's trained tokens, every model op's useful FLOPs
+    """Throughput and MFU of the step: the policy's trained tokens (the rows its update leaves
+    out as idle included: the batch is trained on), every model op's useful FLOPs computed
     (``iteration_s``: one iteration's span, and ``steady_s`` the period at the mean lengths, given
     when the loop is pipelined)."""
     dem = ctx.demands
     tokens = sum(
-        d.sequences * d.seq_len for nid, d in dem.items() if g[nid].op == Op.UPDATE and g.roles[g[nid].role].kind == "policy"
+        (d.sequences + d.idle) * d.seq_len
+        for nid, d in dem.items()
+        if g[nid].op == Op.UPDATE and g.roles[g[nid].role].kind == "policy"
     )
     flops = 0.0
     for nid, d in dem.items():

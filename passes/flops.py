@@ -65,6 +65,8 @@ class Demand:
         env_latency_s: seconds of one environment step.
         group: rows that share one prompt (the ``n`` of the rollout an update or forward op
             reads), which a layout with ``share_prompts`` computes once.
+        idle: an update's rows it does not compute, their advantages all zero (the workload's
+            ``idle_rows``): part of the batch it trains on, not of :attr:`sequences`.
     """
 
     sequences: int
@@ -79,6 +81,7 @@ class Demand:
     obs_len: float = 0.0
     env_latency_s: float = 0.0
     group: int = 1
+    idle: int = 0
 
     @property
     def lengths(self) -> LengthDist:

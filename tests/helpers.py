@@ -129,7 +129,7 @@ def random_rollout(n: int = 8, seed: int = 0):
     return Rollout(ids, torch.ones(n, p, dtype=torch.bool), rids, rmask, torch.zeros(n, r)), torch.randn(n, generator=g)
 
 
-def fsdp2_engine(layout: Any = None, lr: float = 1e-4):
+def fsdp2_engine(layout: Any = None, lr: float = 1e-4, **optim: Any):
     """The shipped tiny policy on fsdp2 in fp32 under the shared training loop (one process, or
     this rank of a pool the caller set up)."""
     from flowc.ir.plan import Layout
@@ -146,6 +146,6 @@ def fsdp2_engine(layout: Any = None, lr: float = 1e-4):
         layout=layout or Layout(),
         dtype="float32",
         seed=0,
-        optim=OptimConfig(lr=lr),
+        optim=OptimConfig(lr=lr, **optim),
     )
     return TrainEngine(Fsdp2Trainer(init))

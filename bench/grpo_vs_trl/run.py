@@ -2,7 +2,7 @@
 
     bash bench/grpo_vs_trl/setup.sh             # TRL in its own environment (bench/.venv-trl)
     python bench/grpo_vs_trl/run.py [--rounds 3] [--steps 12] [--sizes tiny,mid] [--rollout vllm|hf] [--bf16]
-                                    [--executors inline,ray]
+                                    [--executors inline,ray] [--every-row]
 
 Both run GRPO without a reference model on the built-in arithmetic task with
 the same model, batch (8 prompts × 8 samples), response limit (24 tokens),
@@ -17,6 +17,10 @@ tree takes from the machine), and the ratio flowc/TRL.
 
 With ``--executors inline,ray`` flowc runs once per executor in each round (a row each: the
 inline executor against Ray's on the same plan); the default is the run's own choice (``auto``).
+
+flowc leaves out the update rows whose advantages are all zero (a group whose rewards are all
+equal: ``skip_idle_rows``, the same gradient); the *idle rows* column is their median share.
+With ``--every-row`` flowc also runs computing every row (a row each), the work TRL does.
 
 With ``--bf16`` each system also runs in mixed precision (fp32 master weights, bf16 matmuls:
 flowc's ``dtype: bfloat16``, TRL's ``bf16=True``) as a second row, in the same alternation.
@@ -109,11 +113,21 @@ def launch(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedPro
 
 
 def run_flowc(
-    model: str, steps: int, lr: float, work: Path, rollout: str | None = None, bf16: bool = False, executor: str = "auto"
+    model: str,
+    steps: int,
+    lr: float,
+    work: Path,
+    rollout: str | None = None,
+    bf16: bool = False,
+    executor: str = "auto",
+    skip_idle: bool = True,
 ) -> dict:
     cfg = work / "flowc.yaml"
     dtype = "bfloat16" if bf16 else "float32"
-    cfg.write_text(f"eval_every: 0\ncheckpoint_every: 0\ndtype: {dtype}\ndefault_optim: {{lr: {lr}}}\nexecutor: {executor}\n")
+    cfg.write_text(
+        f"eval_every: 0\ncheckpoint_every: 0\ndtype: {dtype}\ndefault_optim: {{lr: {lr}}}\nexecutor: {executor}\n"
+        f"skip_idle_rows: {str(skip_idle).lower()}\n"
+    )
     out = work / f"flowc-{time.time_ns()}"
     cmd = [
         sys.executable,
@@ -139,6 +153,7 @@ def run_flowc(
     step = statistics.median(r["step_s"] for r in rows)
     tokens = statistics.median(r["gen_tokens"] / r["step_s"] for r in rows)
     controller = statistics.median(r.get("perf/controller_fraction", float("nan")) for r in rows)
+    idle = statistics.median(r.get("actor/idle_rows", 0.0) for r in rows)  # update rows left out: advantages all zero
     backend = json.loads((out / "plan.json").read_text())["roles"]["actor"]["phases"]["generate"]["layout"]["backend"]
     ranks = [w for ws in json.loads((out / "placement.json").read_text()).values() for w in ws]
     return {
@@ -147,6 +162,7 @@ def run_flowc(
         "peak_gb": peak[0],
         "pss_gb": peak[1],
         "controller": controller,
+        "idle": idle,
         "backend": backend,
         "executor": "inline" if all(w.get("executor") == "inline" for w in ranks) else "ray",
     }
@@ -181,6 +197,11 @@ def main() -> None:
     ap.add_argument(
         "--executors", default="auto", help="flowc's executors, a row each (e.g. inline,ray; default: the run's choice)"
     )
+    ap.add_argument(
+        "--every-row",
+        action="store_true",
+        help="also run flowc computing every update row (skip_idle_rows: false), a row each: the same work as TRL's",
+    )
     args = ap.parse_args()
     if not TRL_PY.exists():
         sys.exit("TRL's environment is missing: run bash bench/grpo_vs_trl/setup.sh first")
@@ -188,7 +209,8 @@ def main() -> None:
     cache.mkdir(exist_ok=True)
     precisions = ("fp32", "bf16") if args.bf16 else ("fp32",)
     executors = args.executors.split(",")
-    systems = [f"flowc:{ex}" for ex in executors] + ["trl"]
+    variants = [(ex, True) for ex in executors] + ([(ex, False) for ex in executors] if args.every_row else [])
+    systems = [f"flowc:{ex}" + ("" if skip else ":every") for ex, skip in variants] + ["trl"]
     results: dict[str, dict[tuple[str, str], list[dict]]] = {}
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
@@ -198,9 +220,9 @@ def main() -> None:
             for r in range(args.rounds):
                 for prec in precisions:
                     bf16 = prec == "bf16"
-                    for ex in executors:
-                        got = run_flowc(model, args.steps, args.lr, work, args.rollout, bf16, ex)
-                        results[size][f"flowc:{ex}", prec].append(got)
+                    for (ex, skip), name in zip(variants, systems, strict=False):
+                        got = run_flowc(model, args.steps, args.lr, work, args.rollout, bf16, ex, skip)
+                        results[size][name, prec].append(got)
                     results[size]["trl", prec].append(run_trl(model, args.steps, args.lr, work, bf16))
                     print(f"{size} {prec} round {r + 1}: " + "  ".join(f"{s} {results[size][s, prec][-1]}" for s in systems))
     print()
@@ -209,9 +231,9 @@ def main() -> None:
     )
     print()
     print(
-        "| size | precision | system | s/step | samples/s | generated tokens/s | mean response | peak memory (RSS) | peak memory (PSS) | controller share | flowc/TRL (samples/s) | flowc/TRL (tokens/s) |"
+        "| size | precision | system | s/step | samples/s | generated tokens/s | mean response | peak memory (RSS) | peak memory (PSS) | controller share | idle rows | flowc/TRL (samples/s) | flowc/TRL (tokens/s) |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size, res in results.items():
         med = {
             k: {f: statistics.median(x[f] for x in runs) for f in ("step_s", "tokens_per_s", "peak_gb", "pss_gb")}
@@ -223,15 +245,16 @@ def main() -> None:
                 m = med[s, prec]
                 length = m["tokens_per_s"] * m["step_s"] / 64
                 ratios = ("", "")
-                name, ctl = "TRL 1.16", ""
+                name, ctl, idle = "TRL 1.16", "", ""
                 if s != "trl":
                     ratios = (f"{tr['step_s'] / m['step_s']:.2f}×", f"{m['tokens_per_s'] / tr['tokens_per_s']:.2f}×")
                     backends = "/".join(sorted({x["backend"] for x in res[s, prec]}))
                     ran = "/".join(sorted({x["executor"] for x in res[s, prec]}))
-                    name = f"flowc ({backends}, {ran})"
+                    name = f"flowc ({backends}, {ran}{', every row' if s.endswith(':every') else ''})"
                     ctl = f"{statistics.median(x['controller'] for x in res[s, prec]):.0%}"
+                    idle = f"{statistics.median(x['idle'] for x in res[s, prec]):.0%}" if not s.endswith(":every") else "computed"
                 print(
-                    f"| {size} | {prec} | {name} | {m['step_s']:.3f} | {64 / m['step_s']:.0f} | {m['tokens_per_s']:.0f} | {length:.1f} | {m['peak_gb']:.2f} GB | {m['pss_gb']:.2f} GB | {ctl} | {ratios[0]} | {ratios[1]} |"
+                    f"| {size} | {prec} | {name} | {m['step_s']:.3f} | {64 / m['step_s']:.0f} | {m['tokens_per_s']:.0f} | {length:.1f} | {m['peak_gb']:.2f} GB | {m['pss_gb']:.2f} GB | {ctl} | {idle} | {ratios[0]} | {ratios[1]} |"
                 )
 
 

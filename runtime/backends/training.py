@@ -26,7 +26,16 @@ import torch
 
 from flowc.errors import DataError
 from flowc.ir.functional import Rollout, kl
-from flowc.ir.losses import PREFERENCE_LOSSES, aggregate, denominator_kind, dpo_loss, mismatch, policy_loss, value_loss
+from flowc.ir.losses import (
+    PREFERENCE_LOSSES,
+    aggregate,
+    denominator_kind,
+    dpo_loss,
+    idle_rows,
+    mismatch,
+    policy_loss,
+    value_loss,
+)
 from flowc.ir.ops import RoleKind
 from flowc.ir.run_config import OptimConfig
 from flowc.runtime.backends import Score, Trainer, built_backend
@@ -442,11 +451,16 @@ class TrainEngine:
         share_prompts: bool = False,
         pack_sequences: bool = False,
         behaviour: bool = False,
+        skip_idle: bool = False,
     ) -> dict[str, float]:
         """Optimizer updates over this replica's rows: ``mini_sizes[k]`` rows (in order) belong
         to mini-batch k (see ``runtime.batches.minibatch_rows``), each epoch visits them all.
         ``behaviour``: the rollout's log-probabilities are comparable with the trainer's (see
-        :func:`objective`)."""
+        :func:`objective`). ``skip_idle``: the loss adds nothing for a row whose advantages are
+        all zero (``ir.losses.idle_without_advantage``), so those rows are not computed — the
+        mini-batch's denominator still counts them, and a replica left with none runs one padding
+        row (zero gradients through the optimizer step, collectives in step): the same update.
+        ``idle_rows`` reports their share; the other statistics are then over the rows computed."""
         cfg, role = self.init.optim, self.init.role
         if cfg is None:
             raise DataError(f"{role} is frozen; it has no update")
@@ -460,15 +474,24 @@ class TrainEngine:
         minis = 0
         weight: dict[str, float] = {}
         norm_sum, lr = 0.0, lr_at(cfg, self.updates, self.init.total_updates)
+        idle = idle_rows(tensors["advantages"], r.response_mask) if skip_idle else None
         for epoch in range(epochs):
             for mini, (mlo, mhi) in enumerate(bounds):
                 mb = slice_rows(r, mlo, mhi)
                 ts = {k: slice_rows(v, mlo, mhi) for k, v in tensors.items()}
                 local = float(mb.response_mask.sum()) if count_tokens else float(mhi - mlo)
                 denom = max(self.b.dp_sum(local), 1.0)  # every row of the mini-batch once: replicas hold disjoint rows
+                none_live = False
+                if idle is not None and bool(idle[mlo:mhi].any()):  # computed: the live rows (denominator as counted)
+                    live = (~idle[mlo:mhi]).nonzero().squeeze(-1)
+                    none_live = len(live) == 0
+                    keep = live if len(live) else torch.arange(1)  # none: one padding row, zero-weighted
+                    mb, ts = take_rows(mb, keep), {k: take_rows(v, keep) for k, v in ts.items()}
                 parts, bins, groups, packed = self.split(
                     mb, micro, unit, micro_tokens, micro_overhead, share_prompts, pack_sequences
                 )
+                if none_live:
+                    bins = [torch.arange(0)] * len(bins)
                 real = [len(idx) for idx in bins]
 
                 first = epoch == 0 and mini == 0
@@ -511,6 +534,8 @@ class TrainEngine:
         stats = {k: v / max(weight[k], 1.0) for k, v in sums.items()} | {
             k: v * replicas / max(minis, 1) for k, v in losses.items()
         }
+        if idle is not None:
+            stats["idle_rows"] = float(idle.float().mean()) if len(idle) else 0.0
         out = self.b.share(stats)
         out["grad_norm"] = norm_sum / max(num_rows(r) * epochs, 1)
         out["lr"] = lr
