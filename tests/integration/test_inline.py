@@ -338,3 +338,26 @@ def test_a_corrected_loss_weighs_the_engines_samples(tmp_path):
     for m in rows:
         assert m["actor/is_weight"] == pytest.approx(1.0, abs=1e-4) and m["actor/is_cut_frac"] == 0.0
         assert m["actor/mismatch_kl"] < 1e-6
+
+
+def test_a_run_leaves_out_idle_rows_and_trains_the_same_weights(tmp_path):
+    """Dr. GRPO (no KL, no entropy bonus) on the tiny model, whose groups are often all right:
+    with ``skip_idle_rows`` the update leaves out the rows whose advantages are all zero, reports
+    their share, and trains what computing every row trains — the same rewards, losses and
+    weights to float rounding, with the same seed."""
+    outs = {}
+    for skip in (True, False):
+        cfg = RunConfig(steps=3, eval_every=0, checkpoint_every=0, seed=7, executor="inline", skip_idle_rows=skip)
+        out = tmp_path / str(skip)
+        outs[skip] = run(
+            request(tmp_path, flow="drgrpo", cluster="local:1", workload=WORKLOAD, config=cfg, out=str(out)), progress=False
+        )
+    lean, full = _rows(outs[True]), _rows(outs[False])
+    idle = [r["actor/idle_rows"] for r in lean]
+    assert all(0.0 <= x < 1.0 for x in idle) and max(idle) > 0.0, idle  # some group was all right (or all wrong)
+    assert all("actor/idle_rows" not in r for r in full)
+    for a, b in zip(lean, full, strict=True):
+        assert a["reward"] == b["reward"] and a["response_length/mean"] == b["response_length/mean"]
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], rel=1e-4, abs=1e-7)
+    wa, wb = _weights(outs[True]), _weights(outs[False])
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
