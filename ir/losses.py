@@ -208,6 +208,8 @@ def idle_without_advantage(loss: object, *, kl_coef: float, entropy_coef: float,
 def idle_rows(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[N]`` bool: the rows whose advantages (per sequence ``[N]`` or per token ``[N, R]``) are
     exactly zero on every response token under ``mask``."""
+    if adv.dim() == 2:
+        adv = adv[:, : mask.shape[1]]
     live = (broadcast_advantages(adv, mask) != 0) & mask.bool()
     return ~live.any(-1)
 

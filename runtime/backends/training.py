@@ -474,7 +474,8 @@ class TrainEngine:
         minis = 0
         weight: dict[str, float] = {}
         norm_sum, lr = 0.0, lr_at(cfg, self.updates, self.init.total_updates)
-        idle = idle_rows(tensors["advantages"], r.response_mask) if skip_idle else None
+        adv = tensors.get("advantages")
+        idle = idle_rows(adv, r.response_mask) if skip_idle and adv is not None else None
         for epoch in range(epochs):
             for mini, (mlo, mhi) in enumerate(bounds):
                 mb = slice_rows(r, mlo, mhi)
