@@ -460,7 +460,8 @@ class TrainEngine:
         all zero (``ir.losses.idle_without_advantage``), so those rows are not computed — the
         mini-batch's denominator still counts them, and a replica left with none runs one padding
         row (zero gradients through the optimizer step, collectives in step): the same update.
-        ``idle_rows`` reports their share; the other statistics are then over the rows computed."""
+        ``idle_rows`` reports their share; the other statistics are then over the rows computed
+        (the padding row, where a mini-batch has no live row: every step keeps its metrics)."""
         cfg, role = self.init.optim, self.init.role
         if cfg is None:
             raise DataError(f"{role} is frozen; it has no update")
@@ -486,7 +487,8 @@ class TrainEngine:
                 if idle is not None and bool(idle[mlo:mhi].any()):  # computed: the live rows (denominator as counted)
                     live = (~idle[mlo:mhi]).nonzero().squeeze(-1)
                     none_live = len(live) == 0
-                    keep = live if len(live) else torch.arange(1)  # none: one padding row, zero-weighted
+                    # none: one padding row, zero-weighted (its longest: its statistics stand for the step's)
+                    keep = live if len(live) else mb.response_mask.sum(-1).argmax().reshape(1)
                     mb, ts = take_rows(mb, keep), {k: take_rows(v, keep) for k, v in ts.items()}
                 parts, bins, groups, packed = self.split(
                     mb, micro, unit, micro_tokens, micro_overhead, share_prompts, pack_sequences
@@ -514,10 +516,13 @@ class TrainEngine:
                 self.updates += 1
                 shares: dict[str, float] = {}
                 # the other statistics are means over a micro-batch's tokens (over its pairs for DPO): weigh them so
+                # a mini-batch with no live row reports its zero-weighted row's statistics (entropy, the
+                # importance weights, the mismatch): measured on a row it holds, they keep every step's metrics
+                seen = [1 if none_live and i == 0 else n for i, n in enumerate(real)]
                 weights = [
-                    float(n if unit == 2 else (part.response_mask.sum() if n else 0)) for n, part in zip(real, parts, strict=True)
+                    float(n if unit == 2 else (part.response_mask.sum() if n else 0)) for n, part in zip(seen, parts, strict=True)
                 ]
-                for n, w, g in zip(real, weights, got, strict=False):
+                for n, w, g in zip(seen, weights, got, strict=False):
                     if n == 0:  # a padding micro-batch (it re-runs a real row to keep collectives in step)
                         continue
                     for key, val in g.items():

@@ -108,6 +108,7 @@ def test_no_live_row_anywhere_still_steps_the_optimizer():
     _update(full, r, adv, old, False, [16], micro=16)
     got = _update(lean, r, adv, old, True, [16], micro=16)
     assert got["idle_rows"] == 1.0 and lean.micro_batches == 1
+    assert got["entropy"] > 0.0 and got["pg_loss"] == 0.0  # the padding row's statistics keep the step's metrics
     before = dict(fsdp2_engine().b.model.named_parameters())
     moved = False
     for (k, a), b in zip(full.b.model.named_parameters(), lean.b.model.parameters(), strict=True):
