@@ -30,7 +30,6 @@ LAST_STEPS = 10
 KEY = "lengths_from"
 #: the statistics of a step's response lengths that make the distribution's shape
 SHAPE = ("min", "p50", "p90", "p99", "max")
-MAX_IDLE = 0.99  # the most idle_rows taken from a run (the workload's is below 1)
 
 
 class Measured(NamedTuple):
@@ -104,7 +103,7 @@ def measured(run_dir: Path) -> Measured:
 def _idle_rows(rows: list[dict]) -> float | None:
     """The median over ``rows`` of the share of an update's rows left out with zero advantages
     (``ROLE/idle_rows``: the most of any role a step reports); None where no step recorded it (a
-    run that computed every row). Kept below 1 (the workload's bound: an update computes a row)."""
+    run that computed every row)."""
     got = []
     for r in rows:
         shares = [float(v) for k, v in r.items() if k.endswith("/idle_rows") and _finite(v)]
@@ -112,7 +111,7 @@ def _idle_rows(rows: list[dict]) -> float | None:
             got.append(max(shares))
     if not got:
         return None
-    return min(statistics.median(got), MAX_IDLE)
+    return statistics.median(got)
 
 
 def _finite(v: object) -> bool:

@@ -21,7 +21,8 @@ Aggregation (how per-token losses become one number), named as in verl:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
@@ -203,6 +204,17 @@ def idle_without_advantage(loss: object, *, kl_coef: float, entropy_coef: float,
     if not isinstance(loss, (PPOClip, PolicyGradient)):
         return False
     return entropy_coef == 0.0 and not (kl_coef and ref_logprobs)
+
+
+def update_skips_idle(kwargs: Mapping[str, Any]) -> bool:
+    """:func:`idle_without_advantage` for an ``update`` op's keyword arguments (the IR node's): the
+    one decision the planner prices and the runtime carries out."""
+    return idle_without_advantage(
+        kwargs.get("loss"),
+        kl_coef=float(kwargs.get("kl_coef", 0.0)),
+        entropy_coef=float(kwargs.get("entropy_coef", 0.0)),
+        ref_logprobs="ref_logprobs" in kwargs,
+    )
 
 
 def idle_rows(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ class WorkloadSpec(BaseModel):
         idle_rows: the share of an update's rows whose advantages are all zero (a GRPO group whose
             rewards are all equal: all right or all wrong). An update whose loss adds nothing for
             them (``ir.losses.idle_without_advantage``) computes only the rest, and is priced so;
-            what ``lengths_from=RUN_DIR`` measures (the metric ``ROLE/idle_rows``).
+            what ``lengths_from=RUN_DIR`` measures (the metric ``ROLE/idle_rows``). At 1 the update
+            runs one row (zero-weighted: the optimizer still steps), as the runtime does.
         mini_batches: optimizer updates per step per epoch (PPO mini-batches).
         epochs: passes over the rollout per step.
         train_micro_batch: sequences per device per micro-step of training
@@ -76,9 +77,9 @@ class WorkloadSpec(BaseModel):
     idle_rows: float = Field(
         0.0,
         ge=0.0,
-        lt=1.0,
+        le=1.0,
         description="the share of an update's rows whose advantages are all zero (GRPO groups whose rewards are all"
-        " equal), from 0 to below 1; an update whose loss adds nothing for them skips them; lengths_from=RUN_DIR measures it",
+        " equal), from 0 to 1; an update whose loss adds nothing for them skips them; lengths_from=RUN_DIR measures it",
     )
     mini_batches: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from flowc.errors import PlanError
-from flowc.ir.graph import FlowGraph, Node
-from flowc.ir.losses import idle_without_advantage
+from flowc.ir.graph import FlowGraph
+from flowc.ir.losses import update_skips_idle
 from flowc.ir.models import ModelSpec
 from flowc.ir.ops import MODEL_OPS, PHASE_OF_OP
 from flowc.ir.types import project
@@ -127,23 +127,12 @@ def demands(g: FlowGraph, w: WorkloadSpec) -> dict[str, Demand]:
             out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, percentiles=pct, **agent)
         elif n.op == "update":
             idle = 0
-            if w.idle_rows and updates_skip_idle(n):  # the rows with zero advantages are not computed
+            if w.idle_rows and update_skips_idle(n.kwargs):  # the rows with zero advantages are not computed
                 idle = seqs - max(1, math.ceil(seqs * (1.0 - w.idle_rows)))
             out[n.id] = Demand(seqs - idle, w.prompt_len, resp, mean_r, passes=w.epochs, updates=updates, group=batch, idle=idle)
         else:
             out[n.id] = Demand(seqs, w.prompt_len, resp, mean_r, group=batch)
     return out
-
-
-def updates_skip_idle(n: Node) -> bool:
-    """Whether update ``n`` leaves out the rows whose advantages are all zero (its loss adds
-    nothing for them: ``ir.losses.idle_without_advantage``; the runtime's ``skip_idle_rows``)."""
-    return idle_without_advantage(
-        n.kwargs.get("loss"),
-        kl_coef=float(n.kwargs.get("kl_coef", 0.0)),
-        entropy_coef=float(n.kwargs.get("entropy_coef", 0.0)),
-        ref_logprobs="ref_logprobs" in n.kwargs,
-    )
 
 
 def generation_rounds(g: FlowGraph) -> dict[str, float]:

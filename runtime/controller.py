@@ -26,7 +26,7 @@ import torch
 from flowc.errors import RuntimeFailure, SpecError
 from flowc.ir.functional import DEFAULT_KL_KIND, varied_groups
 from flowc.ir.graph import Node, ValueRef
-from flowc.ir.losses import PREFERENCE_LOSSES, idle_without_advantage
+from flowc.ir.losses import PREFERENCE_LOSSES, update_skips_idle
 from flowc.ir.ops import Op, RoleKind
 from flowc.ir.run_config import RunConfig
 from flowc.ir.targets import resolve
@@ -507,9 +507,7 @@ class Controller(HeldOut):
             **({"behaviour": self._behaviour} if e.role_kind == RoleKind.POLICY else {}),
         }
         if e.role_kind == RoleKind.POLICY and self.cfg.skip_idle_rows:
-            base["skip_idle"] = idle_without_advantage(
-                base["loss"], kl_coef=base["kl_coef"], entropy_coef=base["entropy_coef"], ref_logprobs="ref_logprobs" in values
-            )
+            base["skip_idle"] = update_skips_idle(node.kwargs)  # as the planner priced it
         args = [{**base, "mini_sizes": [b - a for a, b in ranges[r]]} for r in range(e.layout.dp)]
         replica = replica_of(e.layout)
         calls = [(e.key, Op.UPDATE, per[replica[r]], args[replica[r]]) for r in range(wg.size)]
