@@ -4,6 +4,8 @@ canned."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from flowc.ir.graph import FlowGraph
 from flowc.ir.plan import Alternative, Layout, PhasePlan
 from flowc.passes.costs import PhaseCost
@@ -14,6 +16,7 @@ from flowc.passes.manager import PlanContext
 from flowc.passes.options import OptionTable
 from flowc.passes.pools import GenChoice
 from flowc.passes.search import Candidate, SearchResult
+from flowc.passes.train_costs import train_cost
 from flowc.passes.units import generation_rounds
 
 MAX_ALTERNATIVES = 8
@@ -401,7 +404,7 @@ def why(ctx: PlanContext, result: SearchResult, plan_body: dict, bound_k: int | 
                 lines.append(line)
             if line := packed_line(u, lay, o.op_costs):
                 lines.append(line)
-            lines += idle_lines(o.op_costs, table.demand)
+            lines += idle_lines(table, table.units[u].role, lay, o.op_costs)
     for r in plan_body["reshards"]:
         if (r.dst_phase == "generate" and r.method != "in_place") or r.bytes_per_device > 0:
             lines.append(
@@ -432,18 +435,19 @@ def shared_prompts_line(unit: str, lay: Layout, costs: dict[str, PhaseCost], dem
     )
 
 
-def idle_lines(costs: dict[str, PhaseCost], demand: dict[str, Demand]) -> list[str]:
+def idle_lines(table: OptionTable, role: str, lay: Layout, costs: dict[str, PhaseCost]) -> list[str]:
     """What leaving out an update's idle rows (advantages all zero: the workload's ``idle_rows``)
-    saves, per update op that does (its time taken as proportional to the rows it computes)."""
+    saves, per update op that does: its cost with every row, on the same layout, less its cost."""
     out = []
     for op, c in costs.items():
-        d = demand[op]
+        d = table.demand[op]
         if d.idle:
-            saved = c.time * d.idle / d.sequences
+            every = replace(d, sequences=d.sequences + d.idle, idle=0)
+            saved = train_cost(table.models[role], lay, every, table.hw, logits=True).time - c.time
             out.append(
                 f"{op}: computes {d.sequences} of its {d.sequences + d.idle} rows — the rest have advantages all zero "
                 f"(workload idle_rows) and its loss adds nothing for them (no entropy bonus or KL term): the same "
-                f"gradient, about {saved:.2f} s per step saved (run setting skip_idle_rows)."
+                f"gradient, {saved:.2f} s per step saved (run setting skip_idle_rows)."
             )
     return out
 
