@@ -155,7 +155,7 @@ def measure(model: str, dtype: str, mode: str, iters: int, budget: int, overhead
     """(In a fresh process) ``iters`` updates of the bench's batch under one micro-batching mode."""
     import torch
 
-    from flowc.runtime.backends.training import shares_prompt, token_bins, trim
+    from flowc.runtime.backends.micro_batches import shares_prompt, token_bins, trim
     from flowc.runtime.batches import take_rows
     from flowc.runtime.packing import pack
 

@@ -21,7 +21,7 @@ from test_shared_prompts import _batch, _grads, _update, grouped
 
 from flowc.ir.functional import Rollout
 from flowc.ir.plan import Layout
-from flowc.runtime.backends.training import packs_rows, token_bins, trim
+from flowc.runtime.backends.micro_batches import packs_rows, token_bins, trim
 from flowc.runtime.modeling import (
     ValueModel,
     can_share_prompts,

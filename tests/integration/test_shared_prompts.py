@@ -18,7 +18,7 @@ from helpers import fsdp2_engine
 from flowc.ir.functional import Rollout
 from flowc.ir.losses import ppo_clip
 from flowc.ir.plan import Layout
-from flowc.runtime.backends.training import shares_prompt, token_bins, trim
+from flowc.runtime.backends.micro_batches import shares_prompt, token_bins, trim
 from flowc.runtime.modeling import (
     ValueModel,
     can_share_prompts,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from flowc.ir.functional import Rollout
 from flowc.ir.losses import ppo_clip
 from flowc.ir.plan import Layout
-from flowc.runtime.backends.training import token_bins
+from flowc.runtime.backends.micro_batches import token_bins
 
 
 def rollout(prompt_lens: list[int], response_lens: list[int], p: int = 8, r: int = 10, seed: int = 0) -> Rollout:
