@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from flowc._version import __version__
+from flowc.cli_requests import role_pairs, run_request
 from flowc.errors import FlowcError
 
 app = typer.Typer(
@@ -246,7 +247,7 @@ def plan(
             raise FlowcError(
                 "--plan re-plans a saved plan; it takes no run options", fix="drop --data/--config/--set/--reward/--rollout"
             )
-        req = _run_request(
+        req = run_request(
             file, overrides, model=model, data=data, eval_data=None, reward=reward, env=None, cluster=cluster or "local",
             device=None, plan_file=None, workload=workload, steps=None, out=None, resume=None, override=False,
             rollout=rollout, pin=pin, config=config, sets=sets, report_to=None,
@@ -299,7 +300,7 @@ def _previews_run(cluster: str | None, model: list[str] | None, plan_file: str |
     runnable = c in ("local", "auto") or c.startswith(("local:", "ray://")) or bool(re.fullmatch(r"[\w.-]+:\d+", c))
     if not runnable:
         return False
-    for ref in _pairs(model, "--model").values():
+    for ref in role_pairs(model, "--model").values():
         loadable = ref in BUILTIN_MODELS or Path(ref).expanduser().is_dir() or (is_hub_id(ref) and cached_snapshot(ref))
         if not loadable:
             return False
@@ -438,7 +439,7 @@ def run(
         sets = [*(sets or []), f"init={init}"]
     if staleness is not None:
         sets = [*(sets or []), f"staleness={staleness}"]
-    req = _run_request(
+    req = run_request(
         file, overrides, model=model, data=data, eval_data=eval_data, reward=reward, env=env, cluster=cluster, device=device,
         plan_file=plan_file, workload=workload, steps=steps, out=out, resume=resume, override=override,
         rollout=rollout, pin=pin, config=config, sets=sets, report_to=report_to,
@@ -487,89 +488,6 @@ def calibrate(
         typer.echo(f"wrote {output} (use it with --cluster {output})")
 
 
-def _run_request(
-    file: str | None,
-    overrides: list[str] | None,
-    *,
-    model: list[str] | None,
-    data: str | None,
-    eval_data: str | None,
-    reward: list[str] | None,
-    env: list[str] | None,
-    cluster: str,
-    device: str | None,
-    plan_file: str | None,
-    workload: str | None,
-    steps: int | None,
-    out: str | None,
-    resume: str | None,
-    override: bool,
-    rollout: str | None,
-    pin: list[str] | None,
-    config: str | None,
-    sets: list[str] | None,
-    report_to: str | None,
-):
-    """The :class:`~flowc.run.RunRequest` of `flowc run`'s options (a resume's from its run.json)."""
-    from flowc.ir.run_config import RunConfig
-    from flowc.loader import load_flow
-    from flowc.run import RunRequest, given_options, resume_request
-
-    if file is None and resume is None:
-        raise FlowcError("flowc run needs a flow file", fix="flowc run FILE [NAME=VALUE]… (or --resume RUN_DIR)")
-    if override and resume is None:
-        raise FlowcError("--override changes a resumed run's options; there is no --resume", fix="drop --override")
-    sets = [*(sets or []), *([f"report_to={_trackers(report_to)}"] if report_to is not None else [])]
-    if resume is not None and sets and not config and (Path(resume) / "run.json").exists():
-        from flowc.run_record import RunRecord
-
-        # --set on a resume changes the recorded settings, it does not replace them
-        cfg, front = RunRecord.read(Path(resume)).run_config_with(sets)
-    else:
-        cfg, front = RunConfig.load(config, sets)
-    fl = load_flow(file) if file is not None else None
-    if fl is None and overrides:
-        raise FlowcError(
-            "hyperparameter overrides need the flow file", fix="flowc run FILE NAME=VALUE… --resume RUN_DIR --override"
-        )
-    hyper = {**front.get("hyperparams", {}), **(fl.parse_overrides(overrides or []) if fl is not None else {})}
-    models = {**front.get("model", {}), **_pairs(model, "--model")}
-    rewards = {**front.get("reward", {}), **_pairs(reward, "--reward")}
-    envs = {**front.get("env", {}), **_pairs(env, "--env")}
-    given = dict(
-        overrides=hyper,
-        models=models,
-        data=data or front.get("data"),
-        eval_data=eval_data or front.get("eval_data"),
-        rewards=rewards,
-        envs=envs,
-        cluster=front.get("cluster", cluster) if cluster == "local" else cluster,
-        device=device or front.get("device"),
-        workload=workload or front.get("workload"),
-        steps=steps,
-        rollout=rollout or front.get("rollout"),
-        pins=list(pin or []),
-        plan_file=plan_file or front.get("plan"),
-    )
-    if resume is not None and (Path(resume) / "run.json").exists():
-        if out is not None and Path(out).resolve() != Path(resume).resolve():
-            raise FlowcError(f"--out {out} with --resume {resume}: a resumed run writes to its own folder", fix="drop --out")
-        normal = {**given, "cluster": given["cluster"] if given["cluster"] != "local" else None}
-        req = resume_request(resume, given_options(flow=fl, config=cfg if config or sets else None, **normal), override=override)
-    else:  # a new run (or, with --override, a folder written before run.json existed)
-        if fl is None:
-            raise FlowcError(
-                f"{resume} has no run.json to read the flow from", fix="give the flow file: flowc run FILE … --resume"
-            )
-        req = RunRequest(flow=fl, out=out or front.get("out"), resume=resume, config=cfg, **given)  # type: ignore[arg-type]
-        if resume is not None and not override:
-            raise FlowcError(
-                f"{resume} has no run.json: flowc cannot tell which options the run used",
-                fix=f"give them all again and add --override: flowc run FILE … --resume {resume} --override",
-            )
-    return req
-
-
 def _print_run_plan(req, *, as_json: bool, save: str | None = None) -> None:
     """The plan `flowc run` would run for ``req`` (through the run's own prepare), printed
     (and saved to ``save``)."""
@@ -587,22 +505,6 @@ def _print_run_plan(req, *, as_json: bool, save: str | None = None) -> None:
         return
     typer.echo(format_plan(p.plan), nl=False)
     err_console.print(f"planned in {time.perf_counter() - t0:.2f} s (the plan flowc run runs with these options)")
-
-
-def _trackers(words: str) -> str:
-    """``--report-to a,b`` as the YAML list ``report_to`` takes (``none``: [])."""
-    names = [w.strip() for w in words.split(",") if w.strip() and w.strip() != "none"]
-    return "[" + ", ".join(names) + "]"
-
-
-def _pairs(words: list[str] | None, flag: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for w in words or []:
-        if "=" not in w:
-            raise FlowcError(f"{flag} {w!r} is not ROLE=VALUE", fix=f"e.g. {flag} actor=...")
-        k, v = w.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -177,12 +177,12 @@ def test_a_missing_tracker_package_is_refused_with_the_pip_command(tmp_path, mon
 
 
 def test_report_to_flag_and_config(tmp_path):
-    from flowc.cli import _trackers
+    from flowc.cli_requests import trackers_list
     from flowc.ir.run_config import RunConfig
 
     assert RunConfig().report_to == ["tensorboard"]
-    cfg, _ = RunConfig.load(None, [f"report_to={_trackers('tensorboard,wandb,mlflow')}"])
+    cfg, _ = RunConfig.load(None, [f"report_to={trackers_list('tensorboard,wandb,mlflow')}"])
     assert cfg.report_to == ["tensorboard", "wandb", "mlflow"]
-    assert RunConfig.load(None, [f"report_to={_trackers('none')}"])[0].report_to == []
+    assert RunConfig.load(None, [f"report_to={trackers_list('none')}"])[0].report_to == []
     with pytest.raises(SpecError):
         RunConfig.load(None, ["report_to=[comet]"])
